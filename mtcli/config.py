@@ -1,0 +1,361 @@
+"""One YAML file describes a run: typed, frozen dataclasses for its four sections, and the loader.
+
+`load_config(path, overrides)` reads YAML, applies `--set key=value` overrides, rejects unknown keys (naming the
+closest valid one) and wrong types or impossible values (naming the key). The resolved config is written into every
+run directory and checkpoint, so later commands rebuild everything from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mtcli.errors import MtcliError
+
+SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+
+
+class ConfigError(MtcliError):
+    pass
+
+
+@dataclass(frozen=True)
+class SplitsConfig:
+    """Split names of the source, by role. A role set to null is not used."""
+
+    train: str = "train"
+    valid: str | None = "validation"
+    test: str | None = "test"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    # Where the corpus comes from: `path` (a local folder) wins over `dataset` (a Hub name, or `toy` for the built-in
+    # toy corpus), so setting data.path switches any config to local files.
+    dataset: str | None = None
+    subset: str | None = None
+    revision: str | None = None
+    path: str | None = None
+    format: Literal["auto", "text", "tsv", "jsonl"] = "auto"
+    src_lang: str = "en"
+    tgt_lang: str = "de"
+    # Columns holding the two sides: default is a `translation: {src_lang, tgt_lang}` column when present, else
+    # columns named after the languages. TSV files are `source<TAB>target`.
+    src_column: str | None = None
+    tgt_column: str | None = None
+    splits: SplitsConfig = field(default_factory=SplitsConfig)
+    # Split names on the Hub when they differ from those of the local release in `splits` (used without data.path).
+    hub_splits: SplitsConfig | None = None
+    # Cleaning of the train split (valid and test are never filtered, so scores stay comparable).
+    max_len: int = 250  # subwords per side, without BOS/EOS
+    max_ratio: float = 3.0  # longer/shorter side in subwords; 0 disables
+    # SentencePiece
+    vocab_size: int = 8000
+    joint_vocab: bool = True
+    spm_model_type: Literal["unigram", "bpe"] = "unigram"
+    character_coverage: float | None = None  # null: 0.9995 if a side is zh/ja, else 1.0
+    byte_fallback: bool = False  # rare characters as UTF-8 bytes instead of <unk> (256 extra pieces)
+    # null: `identity` if a side is zh/ja (NFKC would turn full-width punctuation into ASCII), else `nmt_nfkc`
+    spm_normalization: Literal["nmt_nfkc", "nfkc", "identity"] | None = None
+    spm_sample: int = 1_000_000  # sentences sampled from train to fit SentencePiece
+    cache_dir: str = "data/cache"
+
+    def __post_init__(self):
+        _check(self.max_len > 0, "data.max_len", "must be positive")
+        _check(self.max_ratio >= 0, "data.max_ratio", "must be >= 0 (0 disables the ratio filter)")
+        _check(self.vocab_size >= 16, "data.vocab_size", "must be at least 16")
+        _check(self.spm_sample > 0, "data.spm_sample", "must be positive")
+        _check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
+        cov = self.character_coverage
+        _check(cov is None or 0.9 <= cov <= 1.0, "data.character_coverage", "must be between 0.9 and 1.0")
+        _check(
+            bool(self.dataset or self.path),
+            "data.dataset",
+            "set a Hub dataset name, `toy`, or data.path (a folder of local files)",
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    layers: int = 6
+    encoder_layers: int | None = None  # default: `layers`
+    decoder_layers: int | None = None  # default: `layers`
+    d_model: int = 512
+    heads: int = 8
+    d_ff: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    activation: Literal["relu", "gelu"] = "relu"
+    norm: Literal["post", "pre"] = "post"
+    positions: Literal["sinusoidal", "learned"] = "sinusoidal"
+    max_positions: int = 1024
+    tie_embeddings: bool = True  # three-way with a joint vocabulary, else target embedding + output only
+
+    def __post_init__(self):
+        for key in ("layers", "d_model", "heads", "d_ff", "max_positions"):
+            _check(getattr(self, key) > 0, f"model.{key}", "must be positive")
+        for key in ("encoder_layers", "decoder_layers"):
+            value = getattr(self, key)
+            _check(value is None or value > 0, f"model.{key}", "must be positive (or null for model.layers)")
+        _check(
+            self.d_model % self.heads == 0,
+            "model.heads",
+            f"d_model ({self.d_model}) must be divisible by heads ({self.heads})",
+        )
+        _check(
+            (self.d_model // self.heads) % 2 == 0 or self.positions == "learned",
+            "model.d_model",
+            "sinusoidal positions need an even d_model",
+        )
+        for key in ("dropout", "attention_dropout", "activation_dropout"):
+            _check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+
+    @property
+    def n_encoder_layers(self) -> int:
+        return self.encoder_layers or self.layers
+
+    @property
+    def n_decoder_layers(self) -> int:
+        return self.decoder_layers or self.layers
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 1
+    max_updates: int = 100_000  # absolute: a resumed run stops at the same update
+    max_epochs: int = 0  # 0: no limit
+    max_tokens: int = 4096  # per micro-batch and process, counted padded: sentences x longest, source and target each
+    tokens_per_update: int = 0  # target tokens per optimizer step across processes; 0: one micro-batch per process
+    lr: float = 7e-4  # peak learning rate
+    schedule: Literal["inverse_sqrt", "constant", "cosine"] = "inverse_sqrt"
+    warmup: int = 4000
+    min_lr: float = 0.0  # floor of the cosine schedule
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+    clip_norm: float = 0.0  # 0: no clipping (the paper)
+    label_smoothing: float = 0.1
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    compile: bool = False
+    device: str = "auto"  # auto: CUDA when available, else CPU
+    threads: int = 0  # CPU threads for torch; 0: torch's default
+    valid_every: int = 1000  # updates between validations (and checkpoints)
+    valid_max_sentences: int = 0  # BLEU on the first N valid sentences; 0: all
+    valid_metric: Literal["bleu", "loss"] = "bleu"  # what picks `best` and drives early stopping
+    save_every: int = 0  # extra checkpoints between validations; 0: only at validation
+    keep_last: int = 5  # numbered checkpoints kept (best is always kept)
+    patience: int = 0  # validations without improvement before stopping; 0: never stop early
+    log_every: int = 100
+    max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
+
+    def __post_init__(self):
+        for key in ("max_updates", "max_tokens", "valid_every", "log_every", "keep_last", "max_nonfinite"):
+            _check(getattr(self, key) > 0, f"train.{key}", "must be positive")
+        for key in (
+            "max_epochs",
+            "tokens_per_update",
+            "warmup",
+            "valid_max_sentences",
+            "save_every",
+            "patience",
+            "weight_decay",
+            "clip_norm",
+            "min_lr",
+            "threads",
+        ):
+            _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
+        _check(self.lr > 0, "train.lr", "must be positive")
+        _check(self.eps > 0, "train.eps", "must be positive")
+        _check(all(0.0 <= b < 1.0 for b in self.betas), "train.betas", "both betas must be in [0, 1)")
+        _check(0.0 <= self.label_smoothing < 1.0, "train.label_smoothing", "must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    beam: int = 4
+    lenpen: float = 0.6  # GNMT length penalty alpha; 0 disables
+    max_len_a: float = 2.0  # output length limit: a * source length + b (subwords), capped by model.max_positions
+    max_len_b: int = 20
+    min_len: int = 0
+    nbest: int = 1
+    no_repeat_ngram: int = 0
+    batch_tokens: int = 4096  # source subwords per translation batch
+    sampling: bool = False  # sample instead of search (temperature, top_k, top_p)
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        _check(self.beam >= 1, "decode.beam", "must be at least 1")
+        _check(1 <= self.nbest <= self.beam, "decode.nbest", f"must be between 1 and decode.beam ({self.beam})")
+        _check(self.lenpen >= 0, "decode.lenpen", "must be >= 0")
+        _check(self.max_len_a >= 0 and self.max_len_b >= 0, "decode.max_len_a", "max_len_a and max_len_b must be >= 0")
+        _check(self.max_len_a > 0 or self.max_len_b > 0, "decode.max_len_b", "max_len_a and max_len_b cannot both be 0")
+        _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
+        _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
+        _check(self.batch_tokens > 0, "decode.batch_tokens", "must be positive")
+        _check(self.temperature > 0, "decode.temperature", "must be positive")
+        _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
+        _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "run"
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
+
+    def replace(self, **sections: Any) -> Config:
+        """A copy with whole sections or dotted keys replaced: cfg.replace(**{"train.seed": 3})."""
+        tree = self.to_dict()
+        for key, value in sections.items():
+            _set_dotted(tree, key, value)
+        return config_from_dict(tree, source="<replace>")
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _plain(value: Any) -> Any:
+    """Tuples to lists, so the YAML stays plain."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """A path as given, else the same name among the configs shipped with the package."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    for candidate in (SHIPPED_CONFIGS / path.name, SHIPPED_CONFIGS / f"{path.name}.yaml"):
+        if candidate.is_file():
+            return candidate
+    shipped = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
+    raise ConfigError(f"config file not found: {name} (shipped configs: {shipped})")
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML config (a path, or the name of a shipped config) and apply `key=value` overrides."""
+    path = resolve_config_path(path)
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode")
+    tree.setdefault("name", path.stem)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=5e-4")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        _set_dotted(tree, key.strip(), value)
+    return config_from_dict(tree, source=str(path))
+
+
+def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> Config:
+    return _build(Config, tree, prefix="", source=source)
+
+
+def _set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = tree
+    for part in parents:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[last] = value
+
+
+def _build(cls: type, values: Any, prefix: str, source: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys in {source}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown key `{prefix}{key}` in {source}{hint}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}", source)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {source})") from None
+
+
+def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
+    """Check `value` against a type hint; YAML gives `5e-4` as a string, so floats are parsed here."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value if value is not None else {}, f"{key}.", source)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, key, source)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(str(a) for a in args)
+            raise ConfigError(f"{key}: `{value}` is not one of: {choices} (in {source})")
+        return value
+    if origin is tuple:
+        if not isinstance(value, list | tuple) or len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got `{value}` (in {source})")
+        return tuple(_coerce(a, v, f"{key}[{i}]", source) for i, (a, v) in enumerate(zip(args, value)))
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got `{value}` (in {source})")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key}: expected an integer, got `{value}` (in {source})")
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true or false, got `{value}` (in {source})")
+    if hint is str:
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: expected a string, got `{value}` (in {source})")
+    raise TypeError(f"unsupported config type {hint} for {key}")
