@@ -1,0 +1,339 @@
+"""Raw parallel text, from wherever it lives, through Hugging Face `datasets` (one code path for every source).
+
+Sources: a Hub dataset (or a local folder laid out like one), local files in a folder (`<split>.<lang>` plain text,
+`<split>.tsv`, `<split>.jsonl`), and the built-in toy corpus (generated into the cache folder, then read as local
+files). Each split comes back as a `SplitSource` that yields (sources, targets) in batches, so a WMT-size corpus is
+streamed from Arrow's memory map rather than held in Python lists.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import hashlib
+import json
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from mtcli.config import DataConfig
+from mtcli.errors import MtcliError
+
+ROLES = ("train", "valid", "test")
+HUB_PROBE_TIMEOUT_S = 8.0
+
+
+@dataclass
+class SplitSource:
+    """One split of a parallel corpus: `num_rows` pairs that `batches()` yields as two lists of strings."""
+
+    role: str
+    name: str
+    num_rows: int
+    description: str
+    _dataset: Any  # a datasets.Dataset, or a pair of them (one per side) for plain text
+    _read: Any  # function(dataset_or_pair, start, stop) -> (sources, targets)
+
+    def batches(self, batch_size: int = 10_000, indices: list[int] | None = None) -> Iterator[tuple[list, list]]:
+        if indices is not None:
+            for start in range(0, len(indices), batch_size):
+                yield self._read(self._dataset, indices[start : start + batch_size])
+            return
+        for start in range(0, self.num_rows, batch_size):
+            yield self._read(self._dataset, range(start, min(start + batch_size, self.num_rows)))
+
+
+def describe_source(cfg: DataConfig) -> str:
+    if cfg.path:
+        return f"{cfg.path} (local files)"
+    if cfg.dataset == "toy":
+        return "the built-in toy corpus"
+    subset = f", subset {cfg.subset}" if cfg.subset else ""
+    return f"{cfg.dataset} (Hugging Face Hub{subset})"
+
+
+def split_names(cfg: DataConfig) -> dict[str, str]:
+    """Role (train/valid/test) -> split name in the source; roles set to null are left out."""
+    splits = cfg.splits
+    if not cfg.path and cfg.dataset not in (None, "toy") and cfg.hub_splits is not None:
+        splits = cfg.hub_splits
+    return {role: getattr(splits, role) for role in ROLES if getattr(splits, role)}
+
+
+def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
+    """What identifies the raw data, for the cache key: file stats for local files, name and revision on the Hub."""
+    if cfg.path:
+        folder = Path(cfg.path)
+        files = sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+        return {
+            "local": str(folder.resolve()),
+            "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
+        }
+    if cfg.dataset == "toy":
+        from mtcli.toy import TOY_VERSION
+
+        return {"toy": TOY_VERSION}
+    hub = {"hub": cfg.dataset, "subset": cfg.subset, "revision": cfg.revision}
+    if Path(cfg.dataset).is_dir():  # a local folder laid out like a Hub dataset
+        folder = Path(cfg.dataset)
+        hub["files"] = [
+            [str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns]
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        ]
+    return hub
+
+
+def open_splits(cfg: DataConfig, cache_dir: Path, log=print) -> dict[str, SplitSource]:
+    """Every split the config names that exists; a missing train split is an error, others are skipped with a note."""
+    names = split_names(cfg)
+    if cfg.path:
+        found = _open_local(cfg, Path(cfg.path), names)
+    elif cfg.dataset == "toy":
+        from mtcli.toy import write_toy_corpus
+
+        folder = cache_dir / "toy-corpus"
+        write_toy_corpus(folder)
+        found = _open_local(cfg, folder, names)
+    else:
+        found = _open_hub(cfg, names)
+    if "train" not in found:
+        raise MtcliError(
+            f"no train split `{names.get('train')}` in {describe_source(cfg)}: "
+            "set data.splits.train to the name of the training split"
+        )
+    for role, name in names.items():
+        if role not in found:
+            log(f"note: no {role} split `{name}` in {describe_source(cfg)}; skipping it")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Local files
+
+
+def _open_local(cfg: DataConfig, folder: Path, names: dict[str, str]) -> dict[str, SplitSource]:
+    if not folder.is_dir():
+        raise MtcliError(
+            f"data.path: {folder} is not a folder (expected files like train.{cfg.src_lang} "
+            f"and train.{cfg.tgt_lang}, train.tsv or train.jsonl)"
+        )
+    found = {}
+    for role, name in names.items():
+        layout = _local_layout(cfg, folder, name)
+        if layout is None:
+            if role == "train":
+                raise MtcliError(
+                    f"no train split `{name}` in {folder}: looked for {name}.{cfg.src_lang} + {name}.{cfg.tgt_lang}, "
+                    f"{name}.tsv and {name}.jsonl; set data.splits.train to the file name stem"
+                )
+            continue
+        found[role] = layout(role, name)
+    return found
+
+
+def _local_layout(cfg: DataConfig, folder: Path, name: str):
+    """A function building the split from whichever file layout is present (or None if none is)."""
+    src, tgt = folder / f"{name}.{cfg.src_lang}", folder / f"{name}.{cfg.tgt_lang}"
+    tsv, jsonl = folder / f"{name}.tsv", folder / f"{name}.jsonl"
+    layouts = {
+        "text": (src.is_file() and tgt.is_file(), lambda role, name: _open_text_pair(role, name, src, tgt)),
+        "tsv": (tsv.is_file(), lambda role, name: _open_tsv(role, name, tsv)),
+        "jsonl": (jsonl.is_file(), lambda role, name: _open_jsonl(cfg, role, name, jsonl)),
+    }
+    if cfg.format != "auto":
+        present, build = layouts[cfg.format]
+        return build if present else None
+    for present, build in layouts.values():
+        if present:
+            return build
+    return None
+
+
+def _load_files(builder: str, path: Path, **kwargs):
+    import datasets
+
+    check_utf8(path)
+    datasets.utils.logging.set_verbosity_error()
+    with _quiet_progress():
+        try:
+            return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
+        except Exception as e:  # the library's own error, cut to one line and tied to the file
+            raise MtcliError(f"{path}: could not read as {builder}: {_one_line(e)}") from None
+
+
+def _open_text_pair(role: str, name: str, src_path: Path, tgt_path: Path) -> SplitSource:
+    src, tgt = _load_files("text", src_path), _load_files("text", tgt_path)
+    if src.num_rows != tgt.num_rows:
+        raise MtcliError(
+            f"line counts differ: {src_path} has {src.num_rows} lines, {tgt_path} has {tgt.num_rows}; "
+            "parallel files must be line-aligned"
+        )
+
+    def read(pair, rows):
+        return pair[0][_rows(rows)]["text"], pair[1][_rows(rows)]["text"]
+
+    return SplitSource(role, name, src.num_rows, f"{src_path.name} + {tgt_path.name}", (src, tgt), read)
+
+
+def _open_tsv(role: str, name: str, path: Path) -> SplitSource:
+    # Read as text and split on the tab here: a CSV parser would unquote, drop blank lines and turn "NA" into NaN.
+    lines = _load_files("text", path)
+
+    def read(ds, rows):
+        sources, targets = [], []
+        for row, line in zip(rows, ds[_rows(rows)]["text"]):
+            fields = line.split("\t")
+            if len(fields) != 2:
+                raise MtcliError(
+                    f"{path}:{row + 1}: expected `source<TAB>target` (exactly one tab), found {len(fields) - 1} tabs"
+                )
+            sources.append(fields[0])
+            targets.append(fields[1])
+        return sources, targets
+
+    return SplitSource(role, name, lines.num_rows, path.name, lines, read)
+
+
+def _open_jsonl(cfg: DataConfig, role: str, name: str, path: Path) -> SplitSource:
+    ds = _load_files("json", path)
+    return _columns_source(cfg, role, name, ds, str(path))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The Hub (or a local folder laid out like a Hub dataset)
+
+
+def _open_hub(cfg: DataConfig, names: dict[str, str]) -> dict[str, SplitSource]:
+    import datasets
+
+    name = cfg.dataset
+    local_folder = Path(name).is_dir()
+    if not local_folder and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false", "False"):
+        _probe_hub(name)
+    datasets.utils.logging.set_verbosity_error()
+    try:
+        with _quiet_progress() if local_folder else contextlib.nullcontext():
+            dd = datasets.load_dataset(name, cfg.subset, revision=cfg.revision)
+    except Exception as e:  # network, missing dataset or subset, bad layout: one line that says which
+        raise MtcliError(
+            f"could not load dataset `{name}`{f' subset `{cfg.subset}`' if cfg.subset else ''}: "
+            f"{_one_line(e)}. To use local files instead: --set data.path=FOLDER"
+        ) from None
+    found = {}
+    for role, split in names.items():
+        if split not in dd:
+            if role == "train":
+                raise MtcliError(
+                    f"no train split `{split}` in `{name}` (it has: {', '.join(dd)}); "
+                    "set data.hub_splits.train (or data.splits.train)"
+                )
+            continue
+        found[role] = _columns_source(cfg, role, split, dd[split], name)
+    return found
+
+
+def _probe_hub(name: str) -> None:
+    """Fail fast, in one line, when the Hub is out of reach (the library alone retries for a minute or more)."""
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    url = urlparse(endpoint)
+    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+    except OSError as e:
+        raise MtcliError(
+            f"cannot reach the Hugging Face Hub at {host}:{port} to download `{name}` ({_one_line(e)}). "
+            "Use local files instead: --set data.path=FOLDER (with train.<src_lang>/train.<tgt_lang>, train.tsv "
+            "or train.jsonl), or set HF_HUB_OFFLINE=1 to use a copy already in the datasets cache"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _columns_source(cfg: DataConfig, role: str, name: str, ds, where: str) -> SplitSource:
+    """Pairs from a table: a `translation: {lang: text}` column, or two flat columns."""
+    columns = ds.column_names
+    if cfg.src_column or cfg.tgt_column:
+        src_col, tgt_col = cfg.src_column or cfg.src_lang, cfg.tgt_column or cfg.tgt_lang
+    elif "translation" in columns:
+        first = ds[0]["translation"] if ds.num_rows else {}
+        missing = [lang for lang in (cfg.src_lang, cfg.tgt_lang) if lang not in first]
+        if missing:
+            raise MtcliError(
+                f"{where} split `{name}`: its `translation` column has languages "
+                f"{', '.join(first) or 'none'}, not {', '.join(missing)}; set data.src_lang/tgt_lang"
+            )
+
+        def read_nested(ds, rows):
+            pairs = ds[_rows(rows)]["translation"]
+            return [p[cfg.src_lang] for p in pairs], [p[cfg.tgt_lang] for p in pairs]
+
+        return SplitSource(role, name, ds.num_rows, f"{where} [{name}]", ds, read_nested)
+    else:
+        src_col, tgt_col = cfg.src_lang, cfg.tgt_lang
+    for key, col in (("data.src_column", src_col), ("data.tgt_column", tgt_col)):
+        if col not in columns:
+            raise MtcliError(f"{where} split `{name}` has no column `{col}` (columns: {', '.join(columns)}); set {key}")
+
+    def read_flat(ds, rows):
+        table = ds[_rows(rows)]
+        return table[src_col], table[tgt_col]
+
+    return SplitSource(role, name, ds.num_rows, f"{where} [{name}]", ds, read_flat)
+
+
+def _rows(rows):
+    """datasets indexes fast by slice; use one when the rows are contiguous."""
+    if isinstance(rows, range) and rows.step == 1:
+        return slice(rows.start, rows.stop)
+    return list(rows)
+
+
+def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
+    """Raise an error naming the file and line of the first byte sequence that is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                # Bytes left over from the previous chunk belong to the sequence that failed.
+                line += chunk.count(b"\n", 0, max(e.start - len(e.object) + len(chunk), 0))
+                raise MtcliError(
+                    f"{path}:{line}: not valid UTF-8 ({e.reason} at byte "
+                    f"{e.object[e.start : e.end]!r}); convert the file to UTF-8, e.g. with iconv"
+                ) from None
+            line += chunk.count(b"\n")
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise MtcliError(f"{path}:{line}: not valid UTF-8 (the file ends inside a character)") from None
+
+
+@contextlib.contextmanager
+def _quiet_progress():
+    import datasets
+
+    was_enabled = datasets.utils.logging.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def fingerprint_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]

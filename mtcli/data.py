@@ -1,0 +1,392 @@
+"""The data path: raw pairs -> SentencePiece -> cleaned, encoded, cached splits -> token-budget batches.
+
+`prepare(cfg)` builds (or finds) a cache folder keyed by everything that shapes its content; a second call with
+nothing changed returns at once. Encoded ids live in flat memory-mapped arrays (one per side, plus offsets), so a
+WMT-size corpus never has to fit in RAM. `batch_indices` groups length-sorted sentences into batches whose padded
+size stays within `max_tokens`; `collate` turns one into tensors with the shifted target and padding masks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import sentencepiece
+import torch
+
+from mtcli.config import Config, DataConfig
+from mtcli.corpus import describe_source, fingerprint_hash, open_splits, source_fingerprint
+from mtcli.errors import MtcliError
+from mtcli.tokenizer import BOS, EOS, PAD, Tokenizer, character_coverage, train_sentencepiece
+
+CACHE_VERSION = 1
+EVAL_ROLES = ("valid", "test")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The cache
+
+
+def cache_key(cfg: DataConfig) -> dict:
+    """Everything that changes the cached content; the folder name carries its hash."""
+    settings = {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}
+    return {
+        "version": CACHE_VERSION,
+        "sentencepiece": sentencepiece.__version__,
+        "source": source_fingerprint(cfg),
+        "settings": settings,
+    }
+
+
+def cache_folder(cfg: DataConfig) -> Path:
+    if cfg.path:
+        stem = Path(cfg.path).resolve().name
+    else:
+        stem = Path(str(cfg.dataset)).name.replace("/", "_")
+    return Path(cfg.cache_dir) / f"{stem}-{cfg.src_lang}-{cfg.tgt_lang}-{fingerprint_hash(cache_key(cfg))}"
+
+
+@dataclass
+class EncodedSplit:
+    """One cached split: token ids of both sides, memory-mapped."""
+
+    folder: Path
+    role: str
+
+    @cached_property
+    def _offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        return (np.load(self.folder / f"{self.role}.src.idx.npy"), np.load(self.folder / f"{self.role}.tgt.idx.npy"))
+
+    @cached_property
+    def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        dtype = json.loads((self.folder / "meta.json").read_text())["dtype"]
+        return tuple(_memmap(self.folder / f"{self.role}.{side}.bin", dtype) for side in ("src", "tgt"))
+
+    def __len__(self) -> int:
+        return len(self._offsets[0]) - 1
+
+    @cached_property
+    def src_lens(self) -> np.ndarray:
+        """Source lengths with EOS."""
+        return (np.diff(self._offsets[0]) + 1).astype(np.int64)
+
+    @cached_property
+    def tgt_lens(self) -> np.ndarray:
+        """Target lengths with BOS (input side) or EOS (output side)."""
+        return (np.diff(self._offsets[1]) + 1).astype(np.int64)
+
+    def src(self, i: int) -> np.ndarray:
+        off = self._offsets[0]
+        return self._tokens[0][off[i] : off[i + 1]]
+
+    def tgt(self, i: int) -> np.ndarray:
+        off = self._offsets[1]
+        return self._tokens[1][off[i] : off[i + 1]]
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        """The raw (stripped) source and reference lines of an eval split: what translation and BLEU read."""
+        read = lambda side: (self.folder / f"{self.role}.{side}.txt").read_text(encoding="utf-8").split("\n")[:-1]  # noqa: E731
+        return read("src"), read("tgt")
+
+
+def _memmap(path: Path, dtype: str) -> np.ndarray:
+    if path.stat().st_size == 0:  # numpy cannot map an empty file
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+@dataclass
+class PreparedData:
+    folder: Path
+    meta: dict
+
+    @cached_property
+    def tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_folder(self.folder)
+
+    @property
+    def roles(self) -> list[str]:
+        return list(self.meta["splits"])
+
+    def split(self, role: str) -> EncodedSplit:
+        if role not in self.meta["splits"]:
+            raise MtcliError(
+                f"the prepared data in {self.folder} has no {role} split "
+                f"(it has: {', '.join(self.roles)}); set data.splits.{role}"
+            )
+        return EncodedSplit(self.folder, role)
+
+
+def prepare(cfg: Config, log=print, force: bool = False) -> PreparedData:
+    """Build the cache for `cfg.data` unless an identical one exists; log what was done."""
+    data_cfg = cfg.data
+    folder = cache_folder(data_cfg)
+    if (folder / "meta.json").is_file() and not force:
+        meta = json.loads((folder / "meta.json").read_text())
+        log(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}: cached in {folder}")
+        return PreparedData(folder, meta)
+
+    start = time.time()
+    log(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        sources = open_splits(data_cfg, folder.parent, log=log)
+        tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg, log)
+        dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
+        splits = {role: _encode_split(source, tokenizer, tmp, data_cfg, dtype) for role, source in sources.items()}
+        meta = {
+            "key": cache_key(data_cfg),
+            "source": describe_source(data_cfg),
+            "dtype": dtype,
+            "src_lang": data_cfg.src_lang,
+            "tgt_lang": data_cfg.tgt_lang,
+            "joint_vocab": tokenizer.joint,
+            "src_vocab_size": tokenizer.src_vocab_size,
+            "tgt_vocab_size": tokenizer.tgt_vocab_size,
+            "splits": splits,
+            "seconds": round(time.time() - start, 1),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+        shutil.rmtree(folder, ignore_errors=True)  # only reached with force=True or a half-removed folder
+        os.replace(tmp, folder)  # atomic: a crash leaves no half-written cache under the real name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    for line in split_report(meta, data_cfg):
+        log(line)
+    log(f"cache: {folder} (prepared in {time.time() - start:.1f} s)")
+    return PreparedData(folder, meta)
+
+
+def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
+    """Source and reference lines of an eval split: from the data cache, else read from the corpus itself."""
+    if role not in EVAL_ROLES:
+        raise MtcliError(f"--split {role}: choose one of {', '.join(EVAL_ROLES)} (roles in data.splits)")
+    folder = cache_folder(cfg.data)
+    if (folder / "meta.json").is_file() and role in json.loads((folder / "meta.json").read_text())["splits"]:
+        return EncodedSplit(folder, role).texts()
+    sources = open_splits(cfg.data, folder.parent, log=lambda *_: None)
+    if role not in sources:
+        raise MtcliError(f"no {role} split in {describe_source(cfg.data)} (data.splits.{role})")
+    src_lines, tgt_lines = [], []
+    for s, t in sources[role].batches():
+        src_lines += [clean(x) for x in s]
+        tgt_lines += [clean(x) for x in t]
+    return src_lines, tgt_lines
+
+
+def clean(line: str | None) -> str:
+    """Whitespace runs (and newlines inside a field) to one space, stripped; None (a JSON null) to empty."""
+    return " ".join((line or "").split())
+
+
+def split_report(meta: dict, cfg: DataConfig) -> list[str]:
+    lines = []
+    for role, s in meta["splits"].items():
+        line = f"  {role:5} {s['name']:18} {s['total']:>9,} pairs: kept {s['kept']:,}"
+        if role == "train":
+            line += (
+                f"; dropped {s['empty']:,} with an empty side, {s['too_long']:,} over {cfg.max_len} subwords, "
+                f"{s['ratio']:,} over length ratio {cfg.max_ratio:g}"
+            )
+        else:
+            if s["too_long"]:
+                line += f" ({s['too_long']:,} over {cfg.max_len} subwords, kept: eval splits are never filtered)"
+            if s["empty"]:
+                line += f" ({s['empty']:,} with an empty side, kept)"
+        lines.append(line)
+    return lines
+
+
+def _train_tokenizer(train, folder: Path, cfg: DataConfig, log) -> Tokenizer:
+    n = min(train.num_rows, cfg.spm_sample)
+    rows = sorted(random.Random(0).sample(range(train.num_rows), n)) if n < train.num_rows else None
+    src_lines, tgt_lines = [], []
+    for sources, targets in train.batches(indices=rows):
+        src_lines += [s.strip() for s in sources if s and s.strip()]
+        tgt_lines += [t.strip() for t in targets if t and t.strip()]
+    kind = "joint" if cfg.joint_vocab else "separate"
+    log(
+        f"sentencepiece: {kind} {cfg.spm_model_type} vocabulary of {cfg.vocab_size} (character coverage "
+        f"{character_coverage(cfg):g}), fitted on {n:,} of {train.num_rows:,} training pairs"
+    )
+    if not src_lines or not tgt_lines:
+        raise MtcliError(f"the train split `{train.name}` has no non-empty sentences to fit SentencePiece on")
+    if cfg.joint_vocab:
+        train_sentencepiece(src_lines + tgt_lines, folder / "spm.model", cfg)
+        return Tokenizer(folder / "spm.model")
+    train_sentencepiece(src_lines, folder / "spm.src.model", cfg)
+    train_sentencepiece(tgt_lines, folder / "spm.tgt.model", cfg)
+    return Tokenizer(folder / "spm.src.model", folder / "spm.tgt.model")
+
+
+def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str) -> dict:
+    """Encode one split in chunks, appending to flat id files; train pairs are cleaned, eval pairs kept as they are."""
+    role, is_train = source.role, source.role == "train"
+    counts = {
+        "name": source.name,
+        "total": 0,
+        "kept": 0,
+        "empty": 0,
+        "too_long": 0,
+        "ratio": 0,
+        "src_tokens": 0,
+        "tgt_tokens": 0,
+    }
+    offsets = {"src": [0], "tgt": [0]}
+    files = {side: open(folder / f"{role}.{side}.bin", "wb") for side in ("src", "tgt")}
+    texts = (
+        {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
+        if not is_train
+        else {}
+    )
+    try:
+        for sources, targets in source.batches():
+            sources, targets = [clean(s) for s in sources], [clean(t) for t in targets]
+            counts["total"] += len(sources)
+            src_ids, tgt_ids = tokenizer.encode_src(sources), tokenizer.encode_tgt(targets)
+            keep = []
+            for s, t, si, ti in zip(sources, targets, src_ids, tgt_ids):
+                empty = not s or not t
+                too_long = max(len(si), len(ti)) > cfg.max_len
+                ratio = (
+                    not empty and cfg.max_ratio > 0 and max(len(si), len(ti)) > cfg.max_ratio * min(len(si), len(ti))
+                )
+                counts["empty"] += empty
+                counts["too_long"] += too_long and not empty
+                counts["ratio"] += ratio and not empty and not too_long
+                keep.append(not is_train or not (empty or too_long or ratio))
+            for side, ids in (("src", src_ids), ("tgt", tgt_ids)):
+                kept = [x for x, k in zip(ids, keep) if k]
+                lengths = np.fromiter((len(x) for x in kept), dtype=np.int64, count=len(kept))
+                flat = np.fromiter((i for x in kept for i in x), dtype=dtype, count=int(lengths.sum()))
+                flat.tofile(files[side])
+                offsets[side].extend((offsets[side][-1] + np.cumsum(lengths)).tolist())
+                counts[f"{side}_tokens"] += int(lengths.sum())
+            for side, lines in (("src", sources), ("tgt", targets)):
+                if side in texts:
+                    texts[side].writelines(line + "\n" for line in lines)
+            counts["kept"] += sum(keep)
+    finally:
+        for f in (*files.values(), *texts.values()):
+            f.close()
+    for side in ("src", "tgt"):
+        np.save(folder / f"{role}.{side}.idx.npy", np.asarray(offsets[side], dtype=np.int64))
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Batches
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor  # (B, S) source ids ending in EOS, right-padded
+    tgt_in: torch.Tensor  # (B, T) BOS + target ids
+    tgt_out: torch.Tensor  # (B, T) target ids + EOS, PAD where tgt_in is padding
+    src_pad_mask: torch.Tensor  # (B, S) True at padding
+    tgt_index: torch.Tensor  # (N,) flat positions in (B*T) of the N real target tokens: the loss reads only these
+    labels: torch.Tensor  # (N,) tgt_out at those positions
+    n_tgt_tokens: int  # N, the real target tokens (what the loss is averaged over)
+    indices: np.ndarray  # example indices in the split, in batch order
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return Batch(
+            move(self.src),
+            move(self.tgt_in),
+            move(self.tgt_out),
+            move(self.src_pad_mask),
+            move(self.tgt_index),
+            move(self.labels),
+            self.n_tgt_tokens,
+            self.indices,
+        )
+
+
+def batch_indices(
+    src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int, epoch: int, shuffle: bool = True
+) -> list[np.ndarray]:
+    """Token-budget batches for one epoch: deterministic for (seed, epoch).
+
+    Sentences are sorted by (longer side, target length, source length), ties broken by a seeded shuffle, then cut
+    greedily so that sentences x longest <= max_tokens on each side. Sorting on the longer side first keeps both sides
+    tight (Multi30k at 4096 tokens: 0.96 of padded tokens are real, against 0.93 for a target-then-source sort). The
+    batch order is shuffled too (unless shuffle=False). A sentence longer than max_tokens gets a batch of its own:
+    callers filter such lengths beforehand.
+    """
+    n = len(src_lens)
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    s, t = src_lens[order], tgt_lens[order]
+    order = order[np.lexsort((s, t, np.maximum(s, t)))]
+    batches, start, max_src, max_tgt = [], 0, 0, 0
+    s_sorted, t_sorted = src_lens[order].tolist(), tgt_lens[order].tolist()
+    for i in range(n):
+        new_src, new_tgt = max(max_src, s_sorted[i]), max(max_tgt, t_sorted[i])
+        count = i - start + 1
+        if count > 1 and (count * new_src > max_tokens or count * new_tgt > max_tokens):
+            batches.append(order[start:i])
+            start, new_src, new_tgt = i, s_sorted[i], t_sorted[i]
+        max_src, max_tgt = new_src, new_tgt
+    if start < n:
+        batches.append(order[start:n])
+    if shuffle:
+        perm = rng.permutation(len(batches))
+        batches = [batches[i] for i in perm]
+    return batches
+
+
+def shard(batches: list[np.ndarray], rank: int, world_size: int) -> list[np.ndarray]:
+    """Disjoint, equally many batches per rank: the last len % world_size batches are left out this epoch."""
+    usable = len(batches) - len(batches) % world_size
+    return batches[rank:usable:world_size]
+
+
+def padding_efficiency(batches: list[np.ndarray], src_lens: np.ndarray, tgt_lens: np.ndarray) -> dict[str, float]:
+    real_src = sum(int(src_lens[b].sum()) for b in batches)
+    real_tgt = sum(int(tgt_lens[b].sum()) for b in batches)
+    padded_src = sum(len(b) * int(src_lens[b].max()) for b in batches)
+    padded_tgt = sum(len(b) * int(tgt_lens[b].max()) for b in batches)
+    return {
+        "src": real_src / max(padded_src, 1),
+        "tgt": real_tgt / max(padded_tgt, 1),
+        "all": (real_src + real_tgt) / max(padded_src + padded_tgt, 1),
+    }
+
+
+def collate(split: EncodedSplit, indices: np.ndarray, max_len: int | None = None) -> Batch:
+    """Tensors for one batch. `max_len` (with specials) truncates over-long eval sentences to the model's limit."""
+    cap = max_len - 1 if max_len else None
+    srcs = [split.src(i)[:cap] for i in indices]
+    tgts = [split.tgt(i)[:cap] for i in indices]
+    B, S, T = len(indices), max(len(s) for s in srcs) + 1, max(len(t) for t in tgts) + 1
+    src = np.full((B, S), PAD, dtype=np.int64)
+    tgt_in = np.full((B, T), PAD, dtype=np.int64)
+    tgt_out = np.full((B, T), PAD, dtype=np.int64)
+    for row, (s, t) in enumerate(zip(srcs, tgts)):
+        src[row, : len(s)], src[row, len(s)] = s, EOS
+        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS, t
+        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS
+    flat = tgt_out.reshape(-1)
+    tgt_index = np.flatnonzero(flat != PAD)
+    src_t = torch.from_numpy(src)
+    return Batch(
+        src_t,
+        torch.from_numpy(tgt_in),
+        torch.from_numpy(tgt_out),
+        src_t == PAD,
+        torch.from_numpy(tgt_index),
+        torch.from_numpy(flat[tgt_index]),
+        len(tgt_index),
+        np.asarray(indices),
+    )
