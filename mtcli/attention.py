@@ -1,0 +1,87 @@
+"""Multi-head attention over `torch.nn.functional.scaled_dot_product_attention` (SDPA).
+
+Self-attention projects queries, keys and values with one fused `qkv` matrix; cross-attention projects queries with
+`q` and keys/values of the encoder output with one fused `kv`. Masks are boolean, True where a key may be attended.
+No query row ever has all its keys masked: sources always end in EOS, and decoder steps only see written positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtcli.cache import LayerCache
+
+
+def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
+    B, T, _ = x.shape
+    return x.view(B, T, parts, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # parts x (B, H, T, D)
+
+
+def _merge_heads(y: torch.Tensor) -> torch.Tensor:
+    B, H, T, D = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = False,
+        cache: LayerCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        """x: (B, T, d). mask: (B, 1, 1, T) key mask. causal: decoder self-attention. With a cache, this call's
+        keys/values are written at positions start..start+T and the query attends to everything written so far."""
+        q, k, v = _split_heads(self.qkv(x), 3, self.heads)  # each (B, H, T, D)
+        T = q.shape[2]
+        if cache is not None:
+            cache.k[:, :, start : start + T] = k
+            cache.v[:, :, start : start + T] = v
+            k, v = cache.k[:, :, : start + T], cache.v[:, :, : start + T]  # (B, H, start+T, D)
+        # SDPA's causal mask is aligned top-left, which is right only when queries and keys start together: a
+        # one-token step attends to every cached position, and a multi-token call must start at an empty cache.
+        if causal and T > 1 and start > 0:
+            raise ValueError("a multi-token decoder call with a cache must start at position 0")
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal and T > 1, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.out(_merge_heads(y))
+
+
+class CrossAttention(nn.Module):
+    def __init__(self, d_model: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.q = nn.Linear(d_model, d_model)
+        self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(
+        self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None = None
+    ) -> torch.Tensor:
+        """x: (N, T, d) queries, N = B * beams. memory: (B, S, d) encoder output. mask: (B, 1, 1, S)."""
+        if cache is not None and cache.cross_k is not None:
+            k, v = cache.cross_k, cache.cross_v
+        else:
+            k, v = _split_heads(self.kv(memory), 2, self.heads)  # each (B, H, S, D)
+            if cache is not None:
+                cache.cross_k, cache.cross_v = k, v
+        (q,) = _split_heads(self.q(x), 1, self.heads)  # (N, H, T, D)
+        N, H, T, D = q.shape
+        B = k.shape[0]
+        beams = N // B
+        if beams > 1:  # a sentence's beams become extra query rows against its one copy of the keys/values
+            q = q.view(B, beams, H, T, D).transpose(1, 2).reshape(B, H, beams * T, D)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        if beams > 1:
+            y = y.view(B, H, beams, T, D).transpose(1, 2).reshape(N, H, T, D)
+        return self.out(_merge_heads(y))

@@ -1,0 +1,170 @@
+"""The Transformer of "Attention Is All You Need": embeddings, positions, encoder and decoder stacks.
+
+Public API: `encode(src, src_pad_mask) -> memory`, `decode(tgt, memory, src_pad_mask, cache) -> logits`, and
+`forward`, which composes the two. `decode_hidden` and `logits` split `decode` so training can project only the
+non-padding positions onto the vocabulary. Search drives `decode` one token at a time with a `KVCache`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mtcli.attention import CrossAttention, SelfAttention
+from mtcli.cache import KVCache
+from mtcli.config import ModelConfig
+from mtcli.tokenizer import PAD
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.activation = F.gelu if cfg.activation == "gelu" else F.relu
+        self.dropout = nn.Dropout(cfg.activation_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.dropout(self.activation(self.up(x))))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm == "pre"
+        self.self_attn = SelfAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg)
+        self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(self.self_attn(self.norm1(x), mask))
+            return x + self.dropout(self.ffn(self.norm2(x)))
+        x = self.norm1(x + self.dropout(self.self_attn(x, mask)))
+        return self.norm2(x + self.dropout(self.ffn(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pre_norm = cfg.norm == "pre"
+        self.self_attn = SelfAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.cross_attn = CrossAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
+        self.ffn = FeedForward(cfg)
+        self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, memory, mask, cache=None, start: int = 0) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self.dropout(self.self_attn(self.norm1(x), causal=True, cache=cache, start=start))
+            x = x + self.dropout(self.cross_attn(self.norm2(x), memory, mask, cache=cache))
+            return x + self.dropout(self.ffn(self.norm3(x)))
+        x = self.norm1(x + self.dropout(self.self_attn(x, causal=True, cache=cache, start=start)))
+        x = self.norm2(x + self.dropout(self.cross_attn(x, memory, mask, cache=cache)))
+        return self.norm3(x + self.dropout(self.ffn(x)))
+
+
+def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
+    """The paper's table: sin on even dimensions, cos on odd ones. (max_positions, d_model)"""
+    position = torch.arange(max_positions, dtype=torch.float32)[:, None]
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_positions, d_model)
+    table[:, 0::2] = torch.sin(position * inv_freq)
+    table[:, 1::2] = torch.cos(position * inv_freq)
+    return table
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.d_model
+        self.src_embed = nn.Embedding(src_vocab_size, d, padding_idx=PAD)
+        share_src_tgt = cfg.tie_embeddings and joint_vocab and src_vocab_size == tgt_vocab_size
+        self.tgt_embed = self.src_embed if share_src_tgt else nn.Embedding(tgt_vocab_size, d, padding_idx=PAD)
+        if cfg.positions == "learned":
+            self.learned_positions = nn.Embedding(cfg.max_positions, d)
+        else:
+            self.register_buffer("sinusoids", sinusoidal_positions(cfg.max_positions, d), persistent=False)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
+        # Post-norm layers end in a LayerNorm already; pre-norm stacks need one at the top.
+        self.encoder_norm = nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
+        self.decoder_norm = nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
+        self.output = nn.Linear(d, tgt_vocab_size, bias=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.output.weight = self.tgt_embed.weight
+
+    def _init_weights(self) -> None:
+        d = self.cfg.d_model
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif "embed" in name or "learned_positions" in name:
+                nn.init.normal_(p, mean=0.0, std=d**-0.5)  # with the sqrt(d) scale, inputs start at unit size
+            elif p.dim() == 2:
+                # Fused projections (qkv, kv) get Xavier per d x d block, as separate matrices would.
+                for block in p.data.split(d, dim=0) if name.endswith(("qkv.weight", "kv.weight")) else (p.data,):
+                    nn.init.xavier_uniform_(block)
+        with torch.no_grad():
+            self.src_embed.weight[PAD].zero_()
+            self.tgt_embed.weight[PAD].zero_()
+
+    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+        T = ids.shape[1]
+        if start + T > self.cfg.max_positions:
+            raise ValueError(f"sequence of {start + T} tokens exceeds model.max_positions={self.cfg.max_positions}")
+        if self.cfg.positions == "learned":
+            positions = self.learned_positions.weight[start : start + T]
+        else:
+            positions = self.sinusoids[start : start + T]
+        x = embedding(ids) * math.sqrt(self.cfg.d_model) + positions.to(embedding.weight.dtype)
+        return self.embed_dropout(x)  # (B, T, d)
+
+    @staticmethod
+    def attention_mask(src_pad_mask: torch.Tensor) -> torch.Tensor:
+        return ~src_pad_mask[:, None, None, :]  # (B, 1, 1, S), True where a key may be attended
+
+    def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> torch.Tensor:
+        """src: (B, S) ids ending in EOS, right-padded. Returns memory: (B, S, d)."""
+        mask = self.attention_mask(src_pad_mask)
+        x = self._embed(self.src_embed, src)
+        for layer in self.encoder:
+            x = layer(x, mask)
+        return self.encoder_norm(x)
+
+    def decode_hidden(
+        self, tgt: torch.Tensor, memory: torch.Tensor, src_pad_mask: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        """tgt: (N, T) ids starting with BOS; N = B * beams when a cache groups beams. Returns (N, T, d).
+
+        Without a cache the whole prefix is decoded with a causal mask (right padding needs no other mask). With a
+        cache, tgt holds the next position(s) only, written at cache.length, which then advances."""
+        start = cache.length if cache is not None else 0
+        mask = self.attention_mask(src_pad_mask)
+        x = self._embed(self.tgt_embed, tgt, start)
+        for i, layer in enumerate(self.decoder):
+            x = layer(x, memory, mask, cache.layers[i] if cache is not None else None, start)
+        if cache is not None:
+            cache.length += tgt.shape[1]
+        return self.decoder_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(hidden)
+
+    def decode(
+        self, tgt: torch.Tensor, memory: torch.Tensor, src_pad_mask: torch.Tensor, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        return self.logits(self.decode_hidden(tgt, memory, src_pad_mask, cache))  # (N, T, V)
+
+    def forward(self, src: torch.Tensor, src_pad_mask: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        return self.decode(tgt_in, self.encode(src, src_pad_mask), src_pad_mask)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # tied matrices count once
