@@ -1,0 +1,246 @@
+"""Search: greedy, beam and sampling over batches of sentences, all on the model's incremental-decoding cache.
+
+The encoder runs once; each step feeds only the newest token to `Transformer.decode` with a `KVCache`. Sentences
+whose search is over leave the batch (and the cache), so long outliers do not keep the whole batch busy.
+
+Lengths count output subwords without EOS. `max_lens[i]` is the most a sentence may produce: at that length EOS is
+the only choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mtcli.cache import KVCache
+from mtcli.tokenizer import BOS, EOS, PAD
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Hypothesis:
+    tokens: list[int]  # output subwords, without BOS and EOS
+    score: float  # log-probability (with EOS) divided by the length penalty
+    log_prob: float  # log-probability (with EOS)
+
+
+def length_penalty(length: torch.Tensor | int, alpha: float):
+    """GNMT's ((5 + length) / 6) ** alpha; alpha 0 gives 1 (no normalization)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, max_positions: int) -> torch.Tensor:
+    """a * source length + b subwords (source length without EOS), capped so BOS + output fits the positions."""
+    lens = (a * src_lens.float() + b).floor().long()
+    return lens.clamp(min=0, max=max_positions - 1)
+
+
+def _step_log_probs(
+    model, tokens: torch.Tensor, memory, src_pad_mask, cache: KVCache, step: int, max_lens: torch.Tensor, min_len: int
+) -> torch.Tensor:
+    """Log-probabilities of the next token, (N, V) in float32, with the length constraints applied."""
+    logits = model.decode(tokens, memory, src_pad_mask, cache)[:, -1].float()
+    log_probs = torch.log_softmax(logits, dim=-1)
+    log_probs[:, PAD] = NEG_INF
+    log_probs[:, BOS] = NEG_INF
+    if step < min_len:
+        log_probs[:, EOS] = NEG_INF
+    at_limit = max_lens <= step  # these rows must end now
+    if at_limit.any():
+        eos_scores = log_probs[at_limit, EOS].clone()
+        log_probs[at_limit] = NEG_INF
+        log_probs[at_limit, EOS] = torch.nan_to_num(eos_scores, neginf=0.0)
+    return log_probs
+
+
+@torch.inference_mode()
+def greedy_search(
+    model, src: torch.Tensor, src_pad_mask: torch.Tensor, max_lens: torch.Tensor, min_len: int = 0
+) -> list[Hypothesis]:
+    """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability)."""
+    B, device = src.shape[0], src.device
+    memory = model.encode(src, src_pad_mask)
+    cache = KVCache.for_model(model, B, int(max_lens.max()) + 1, device, memory.dtype)
+    active = torch.arange(B, device=device)  # sentence index of each row
+    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    log_prob_sums = [0.0] * B
+    done: list[Hypothesis | None] = [None] * B
+    for step in range(int(max_lens.max()) + 1):
+        log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
+        best_lp, best = log_probs.max(dim=-1)
+        finished = best == EOS
+        for sentence, token, lp, fin in zip(active.tolist(), best.tolist(), best_lp.tolist(), finished.tolist()):
+            log_prob_sums[sentence] += lp
+            if fin:
+                done[sentence] = Hypothesis(outputs[sentence], log_prob_sums[sentence], log_prob_sums[sentence])
+            else:
+                outputs[sentence].append(token)
+        if finished.all():
+            break
+        keep = (~finished).nonzero().squeeze(1)
+        if keep.numel() < finished.numel():  # drop finished sentences from the batch and the cache
+            active, best = active[keep], best[keep]
+            memory, src_pad_mask, max_lens = memory[keep], src_pad_mask[keep], max_lens[keep]
+            cache.reorder(keep, keep)
+        tokens = best[:, None]
+    return done  # type: ignore[return-value]
+
+
+@torch.inference_mode()
+def beam_search(
+    model,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    max_lens: torch.Tensor,
+    beam_size: int,
+    lenpen: float = 0.0,
+    min_len: int = 0,
+    nbest: int = 1,
+    no_repeat_ngram: int = 0,
+) -> list[list[Hypothesis]]:
+    """Beam search; returns the `nbest` best hypotheses per sentence, best first.
+
+    A sentence's search ends when it has `beam_size` finished hypotheses and no live one scores better at its
+    current length (the usual rule; it also makes beam 1 identical to greedy search), or at its length limit.
+    """
+    B, k, device = src.shape[0], beam_size, src.device
+    # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
+    memory = model.encode(src, src_pad_mask)
+    max_total = int(max_lens.max())
+    cache = KVCache.for_model(model, B * k, max_total + 1, device, memory.dtype)
+    sentences = torch.arange(B, device=device)  # sentence index of each batch entry still searching
+    tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=device)
+    history = torch.empty((B * k, 0), dtype=torch.long, device=device)  # output tokens per row
+    # Only the first beam is live at the start, so the first step does not pick k copies of the same token.
+    scores = torch.full((B, k), NEG_INF, device=device)
+    scores[:, 0] = 0.0
+    finished: list[list[Hypothesis]] = [[] for _ in range(B)]
+    row_max_lens = max_lens.repeat_interleave(k)
+
+    for step in range(max_total + 1):
+        n = sentences.numel()
+        # (2) Next-token log-probabilities for every live row, with constraints.
+        log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
+        if no_repeat_ngram > 0 and step >= no_repeat_ngram - 1:
+            _ban_repeated_ngrams(log_probs, history, no_repeat_ngram)
+        V = log_probs.shape[-1]
+        # (3) Add to the running scores; best 2k candidates over beam x vocabulary, so k stay live after EOS ones.
+        candidates = (scores.view(n, k, 1) + log_probs.view(n, k, V)).view(n, k * V)
+        top_scores, top_ids = candidates.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
+        top_beams, top_tokens = top_ids // V, top_ids % V
+        is_eos = (top_tokens == EOS) & torch.isfinite(top_scores)
+        # (4) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
+        penalty = length_penalty(step + 1, lenpen)
+        eos_rank_ok = torch.zeros_like(is_eos)
+        eos_rank_ok[:, :k] = True
+        new_finished = (is_eos & eos_rank_ok).nonzero().tolist()
+        if new_finished:
+            hist = history.tolist()
+            flat_scores = top_scores.tolist()
+            flat_beams = top_beams.tolist()
+            for i, j in new_finished:
+                sentence = int(sentences[i])
+                row = i * k + flat_beams[i][j]
+                lp = flat_scores[i][j]
+                finished[sentence].append(Hypothesis(hist[row], lp / penalty, lp))
+        # (5) The best k non-EOS candidates stay live.
+        not_live = is_eos | ~torch.isfinite(top_scores)
+        live_order = not_live.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]
+        live_scores = top_scores.gather(1, live_order).masked_fill(not_live.gather(1, live_order), NEG_INF)  # (n, k)
+        live_beams = top_beams.gather(1, live_order)
+        live_tokens = top_tokens.gather(1, live_order)
+        # (6) Which sentences are done: k finished, none of which a live hypothesis beats at its present length.
+        best_live = live_scores[:, 0].tolist()
+        is_done = []
+        for i, sentence in enumerate(sentences.tolist()):
+            hyps = finished[sentence]
+            if len(hyps) >= k:
+                hyps.sort(key=lambda h: -h.score)
+                del hyps[k:]
+                is_done.append(best_live[i] / length_penalty(step + 1, lenpen) <= hyps[-1].score)
+            else:
+                is_done.append(best_live[i] == NEG_INF)  # no live candidates left (e.g. at the length limit)
+        done = torch.tensor(is_done, device=device)
+        if done.all() or step == max_total:
+            break
+        # (7) Reorder the cache and history by back-pointers; sentences that are done leave the batch.
+        keep = (~done).nonzero().squeeze(1)
+        rows = (keep[:, None] * k + live_beams[keep]).reshape(-1)
+        history = torch.cat([history[rows], live_tokens[keep].reshape(-1, 1)], dim=1)
+        scores = live_scores[keep]
+        tokens = live_tokens[keep].reshape(-1, 1)
+        if keep.numel() < n:
+            sentences = sentences[keep]
+            memory, src_pad_mask = memory[keep], src_pad_mask[keep]
+            row_max_lens = row_max_lens.view(n, k)[keep].reshape(-1)
+            cache.reorder(rows, keep)
+        else:
+            cache.reorder(rows)
+    for hyps in finished:
+        hyps.sort(key=lambda h: -h.score)
+    return [hyps[:nbest] for hyps in finished]
+
+
+def _ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) -> None:
+    """Forbid tokens that would repeat an n-gram already in the row's output (in place)."""
+    N, L = history.shape
+    if L < n - 1 or n < 1:
+        return
+    if n == 1:
+        log_probs.scatter_(1, history, NEG_INF)
+        return
+    windows = history.unfold(1, n, 1)  # (N, L-n+1, n)
+    if windows.shape[1] == 0:
+        return
+    suffix = history[:, L - (n - 1) :]  # (N, n-1) the last n-1 tokens
+    matches = (windows[:, :, : n - 1] == suffix[:, None, :]).all(dim=2)  # (N, L-n+1)
+    rows, starts = matches.nonzero(as_tuple=True)
+    log_probs[rows, windows[rows, starts, n - 1]] = NEG_INF
+
+
+@torch.inference_mode()
+def sample(
+    model,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    max_lens: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_len: int = 0,
+    generator: torch.Generator | None = None,
+) -> list[Hypothesis]:
+    """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""
+    B, device = src.shape[0], src.device
+    memory = model.encode(src, src_pad_mask)
+    cache = KVCache.for_model(model, B, int(max_lens.max()) + 1, device, memory.dtype)
+    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
+    outputs: list[list[int]] = [[] for _ in range(B)]
+    log_prob_sums = torch.zeros(B, device=device)
+    alive = torch.ones(B, dtype=torch.bool, device=device)
+    for step in range(int(max_lens.max()) + 1):
+        log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
+        logits = log_probs / temperature
+        if top_k > 0:
+            kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, NEG_INF)
+        if top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
+            logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, NEG_INF))
+        choice = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
+        choice = torch.where(alive, choice, torch.full_like(choice, PAD))
+        log_prob_sums += torch.where(alive, log_probs.gather(1, choice.clamp(min=0)[:, None]).squeeze(1), 0.0)
+        for i, (token, live) in enumerate(zip(choice.tolist(), alive.tolist())):
+            if live and token != EOS:
+                outputs[i].append(token)
+        alive &= choice != EOS
+        if not alive.any():
+            break
+        tokens = torch.where(alive, choice, torch.full_like(choice, EOS))[:, None]
+    sums = log_prob_sums.tolist()
+    return [Hypothesis(out, s, s) for out, s in zip(outputs, sums)]
