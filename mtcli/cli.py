@@ -284,7 +284,7 @@ class _LineProgress:
         self.done += n
         if self.tty:
             sys.stderr.write(f"\rtranslated {self.done}/{self.total} lines")
-        elif self.done >= self.next_mark * self.total:
+        elif self.done >= self.next_mark * self.total or self.done == self.total:
             sys.stderr.write(f"translated {self.done}/{self.total} lines\n")
             self.next_mark = self.done / self.total + 0.1
         sys.stderr.flush()

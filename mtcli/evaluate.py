@@ -27,8 +27,8 @@ def score(hypotheses: list[str], references: list[str], tgt_lang: str) -> dict:
     bleu = bleu_metric.corpus_score(hypotheses, [references])
     chrf = chrf_metric.corpus_score(hypotheses, [references])
     return {
-        "bleu": round(bleu.score, 2),
-        "chrf": round(chrf.score, 2),
+        "bleu": bleu.score,
+        "chrf": chrf.score,
         "signature": str(bleu_metric.get_signature()),
         "chrf_signature": str(chrf_metric.get_signature()),
         "bleu_detail": str(bleu),

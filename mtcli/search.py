@@ -124,7 +124,7 @@ def beam_search(
         n = sentences.numel()
         # (2) Next-token log-probabilities for every live row, with constraints.
         log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
-        if no_repeat_ngram > 0 and step >= no_repeat_ngram - 1:
+        if no_repeat_ngram > 0:
             _ban_repeated_ngrams(log_probs, history, no_repeat_ngram)
         V = log_probs.shape[-1]
         # (3) Add to the running scores; best 2k candidates over beam x vocabulary, so k stay live after EOS ones.
@@ -187,14 +187,12 @@ def beam_search(
 def _ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) -> None:
     """Forbid tokens that would repeat an n-gram already in the row's output (in place)."""
     N, L = history.shape
-    if L < n - 1 or n < 1:
+    if L < n:  # no complete n-gram yet
         return
     if n == 1:
         log_probs.scatter_(1, history, NEG_INF)
         return
     windows = history.unfold(1, n, 1)  # (N, L-n+1, n)
-    if windows.shape[1] == 0:
-        return
     suffix = history[:, L - (n - 1) :]  # (N, n-1) the last n-1 tokens
     matches = (windows[:, :, : n - 1] == suffix[:, None, :]).all(dim=2)  # (N, L-n+1)
     rows, starts = matches.nonzero(as_tuple=True)

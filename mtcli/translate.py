@@ -107,6 +107,8 @@ class Translator:
             if not line:
                 results[i] = [Translation("", 0.0, [])]
         order = sorted((i for i in range(len(lines)) if results[i] is None), key=lambda i: -len(ids[i]))
+        if progress and len(order) < len(lines):
+            progress(len(lines) - len(order))
         for batch in _token_batches(order, ids, decode.batch_tokens):
             for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode)):
                 results[i] = hyps

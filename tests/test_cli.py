@@ -1,0 +1,148 @@
+"""End to end through the command line: train the toy model, translate, evaluate, average; help and errors."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mtcli.checkpoint import best_checkpoint, list_checkpoints
+from mtcli.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args, input=None):
+    result = runner.invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="session")
+def toy_run(tmp_path_factory):
+    """The toy config, shortened: about half a minute on 2 cores. Runs in ./runs/toy of a scratch folder."""
+    home = tmp_path_factory.mktemp("toy")
+    run = home / "runs" / "toy"
+    invoke(
+        "train",
+        "--config",
+        "toy.yaml",
+        "--run-dir",
+        run,
+        "--set",
+        f"data.cache_dir={home / 'cache'}",
+        "--set",
+        "train.max_updates=300",
+        "--set",
+        "train.valid_every=150",
+        "--set",
+        "train.keep_last=3",
+    )
+    return run
+
+
+def test_help_lists_every_command_and_each_shows_an_example():
+    result = invoke("--help")
+    for command in ("data", "train", "translate", "eval", "average"):
+        assert command in result.output
+    for command in (["data", "prepare"], ["train"], ["translate"], ["eval"], ["average"]):
+        assert "Example:" in invoke(*command, "--help").output, command
+
+
+def test_errors_are_one_line_without_traceback(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: {dataset: toy}\nmodel: {d_modle: 64}\n")
+    for args in (
+        ["train", "--config", str(bad)],
+        ["data", "prepare", "--config", "nope.yaml"],
+        ["translate", "--run", str(tmp_path / "missing"), "hello"],
+    ):
+        proc = subprocess.run([sys.executable, "-m", "mtcli", *args], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtcli", "train", "--config", str(bad)], capture_output=True, text=True
+    )
+    assert "model.d_model" in proc.stderr and str(bad) in proc.stderr
+
+
+@pytest.mark.slow
+def test_toy_model_learns(toy_run):
+    """A broken mask, shift or cache would not get near this score on the toy valid split."""
+    best = json.loads((toy_run / "checkpoints" / "best.json").read_text())
+    assert best["metric"] == "bleu" and best["score"] >= 60, best
+    for name in ("config.yaml", "spm.model", "train.log", "metrics.jsonl"):
+        assert (toy_run / name).is_file(), name
+    assert list((toy_run / "tb").glob("events.out.tfevents.*"))
+
+
+@pytest.mark.slow
+def test_translate_arguments_stdin_and_files(toy_run, tmp_path, monkeypatch):
+    monkeypatch.chdir(toy_run.parent.parent)  # the latest run under ./runs is the default
+    result = invoke("translate", "I love apples", "", "She really likes green apples")
+    assert result.stdout.split("\n") == ["我喜欢苹果", "", "她真的喜欢青苹果", ""]
+    piped = invoke("translate", "--beam", "1", input="I love apples\nDo you like tea?\n")
+    assert piped.stdout.split("\n")[0] == "我喜欢苹果" and len(piped.stdout.split("\n")) == 3
+    source = tmp_path / "in.en"
+    source.write_text("I love apples\n" * 30 + ("very " * 400) + "long\n\n")
+    out = tmp_path / "out.zh"
+    result = runner.invoke(app, ["translate", "--input", str(source), "--output", str(out), "--nbest", "1"])
+    assert result.exit_code == 0, result.output
+    lines = out.read_text(encoding="utf-8").split("\n")
+    assert len(lines) == 33 and lines[0] == "我喜欢苹果" and lines[31] == "" and lines[32] == ""
+    assert result.stderr.count("truncated") == 1 and "translated 32/32 lines" in result.stderr
+    nbest = invoke("translate", "--beam", "3", "--nbest", "3", "I love apples").stdout.strip().split("\n")
+    assert len(nbest) == 3 and all(line.startswith("0 ||| ") for line in nbest)
+    scores = [float(line.rsplit("|||", 1)[1]) for line in nbest]
+    assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.slow
+def test_eval_reports_what_sacrebleu_reports_on_the_written_files(toy_run):
+    result = json.loads(invoke("eval", "--run", toy_run, "--json").stdout)
+    for key in ("bleu", "chrf", "signature", "hypotheses", "references"):
+        assert key in result
+    assert "tok:zh" in result["signature"]
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sacrebleu",
+            result["references"],
+            "-i",
+            result["hypotheses"],
+            "-tok",
+            "zh",
+            "-b",
+            "-w",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert float(cli.stdout.strip()) == pytest.approx(result["bleu"], abs=1e-4)
+    assert len(Path(result["hypotheses"]).read_text(encoding="utf-8").splitlines()) == 200
+
+
+@pytest.mark.slow
+def test_validation_bleu_is_eval_bleu(toy_run):
+    """One scoring path: greedy eval of the best checkpoint on the valid split repeats the validation score."""
+    best = json.loads((toy_run / "checkpoints" / "best.json").read_text())
+    result = json.loads(invoke("eval", "--run", toy_run, "--split", "valid", "--beam", "1", "--json").stdout)
+    assert result["bleu"] == pytest.approx(best["score"], abs=1e-6)
+    assert result["checkpoint"] == str(best_checkpoint(toy_run))
+
+
+@pytest.mark.slow
+def test_average_last_checkpoints(toy_run, tmp_path):
+    found = list_checkpoints(toy_run)
+    assert len(found) >= 2
+    out = Path(invoke("average", "--run", toy_run, "--last", "2", "--output", tmp_path / "avg").stdout.strip())
+    assert (out / "model.safetensors").is_file()
+    assert invoke("translate", "--checkpoint", out, "I love apples").stdout.strip()
+    result = runner.invoke(app, ["average", "--run", str(toy_run), "--last", "99"])
+    assert result.exit_code != 0

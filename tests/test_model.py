@@ -1,0 +1,181 @@
+"""The model's contracts: causal masking, padding invariance, cached decoding equal to full decoding, tied weights,
+attention equal to a reference softmax(QK^T)V, and no fully masked query rows."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtcli.cache import KVCache
+from mtcli.config import ModelConfig
+from mtcli.model import Transformer
+from mtcli.tokenizer import BOS, EOS, PAD
+
+VOCAB = 40
+
+
+def make_model(norm="post", **kwargs):
+    torch.manual_seed(0)
+    cfg = ModelConfig(layers=2, d_model=32, heads=4, d_ff=64, norm=norm, max_positions=64, **kwargs)
+    return Transformer(cfg, VOCAB, VOCAB, joint_vocab=True).eval()
+
+
+def make_batch(lengths, seed=1):
+    """Right-padded sources ending in EOS, as collate builds them."""
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    src = torch.full((len(lengths), S), PAD)
+    for row, n in enumerate(lengths):
+        src[row, : n - 1] = torch.randint(4, VOCAB, (n - 1,), generator=g)
+        src[row, n - 1] = EOS
+    return src, src == PAD
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_future_target_tokens_do_not_change_earlier_outputs(norm):
+    model = make_model(norm)
+    src, mask = make_batch([7, 5])
+    memory = model.encode(src, mask)
+    tgt = torch.randint(4, VOCAB, (2, 8))
+    tgt[:, 0] = BOS
+    out = model.decode(tgt, memory, mask)
+    for t in range(1, 8):
+        changed = tgt.clone()
+        changed[:, t:] = torch.randint(4, VOCAB, (2, 8 - t))
+        out2 = model.decode(changed, memory, mask)
+        torch.testing.assert_close(out2[:, :t], out[:, :t], atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(out2[:, t:], out[:, t:])  # the test can see a change where one is allowed
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_padding_does_not_change_real_positions(norm):
+    model = make_model(norm)
+    src, mask = make_batch([6])
+    tgt = torch.tensor([[BOS, 9, 10, 11, 12]])
+    ref_memory = model.encode(src, mask)
+    ref = model.decode(tgt, ref_memory, mask)
+    # Same sentence padded on the source side (batched with a longer one) and on the target side.
+    padded_src = torch.cat([src, torch.full((1, 5), PAD)], dim=1)
+    padded_mask = padded_src == PAD
+    padded_tgt = torch.cat([tgt, torch.full((1, 3), PAD)], dim=1)
+    memory = model.encode(padded_src, padded_mask)
+    torch.testing.assert_close(memory[:, :6], ref_memory, atol=1e-5, rtol=1e-5)
+    out = model.decode(padded_tgt, memory, padded_mask)
+    torch.testing.assert_close(out[:, :5], ref, atol=1e-5, rtol=1e-5)
+    # And inside a real mixed batch.
+    other, _ = make_batch([11], seed=5)
+    both = torch.cat([padded_src, other], dim=0)
+    both_mask = both == PAD
+    out_batch = model.decode(torch.cat([padded_tgt, padded_tgt]), model.encode(both, both_mask), both_mask)
+    torch.testing.assert_close(out_batch[:1, :5], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_cached_step_decoding_equals_full_decoding(norm, positions):
+    model = make_model(norm, positions=positions)
+    src, mask = make_batch([7, 4, 6])
+    memory = model.encode(src, mask)
+    tgt = torch.randint(4, VOCAB, (3, 9))
+    tgt[:, 0] = BOS
+    full = model.decode(tgt, memory, mask)
+    cache = KVCache.for_model(model, rows=3, max_len=12, device="cpu")
+    steps = torch.cat([model.decode(tgt[:, t : t + 1], memory, mask, cache) for t in range(9)], dim=1)
+    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-5)
+    assert cache.length == 9
+
+
+def test_cache_groups_beams_and_reorders():
+    """Beams of a sentence share one copy of the cross-attention keys; reorder follows back-pointers."""
+    model = make_model("pre")
+    src, mask = make_batch([7, 4])
+    memory = model.encode(src, mask)
+    beams = 3
+    tgt = torch.randint(4, VOCAB, (2 * beams, 6))
+    tgt[:, 0] = BOS
+    full = model.decode(tgt, memory.repeat_interleave(beams, 0), mask.repeat_interleave(beams, 0))
+    cache = KVCache.for_model(model, rows=2 * beams, max_len=8, device="cpu")
+    outs = [model.decode(tgt[:, :1], memory, mask, cache)]
+    assert cache.layers[0].cross_k.shape[0] == 2  # one per sentence, not per beam
+    # Swap beams within each sentence, then continue with the swapped prefixes.
+    perm = torch.tensor([2, 0, 1, 4, 5, 3])
+    cache.reorder(perm)
+    tgt = tgt[perm]
+    full = full[perm]
+    for t in range(1, 6):
+        outs.append(model.decode(tgt[:, t : t + 1], memory, mask, cache))
+    torch.testing.assert_close(torch.cat(outs, 1)[:, 1:], full[:, 1:], atol=1e-5, rtol=1e-5)
+    # Dropping the second sentence shrinks both kinds of cache.
+    cache.reorder(torch.tensor([0, 1, 2]), sentences=torch.tensor([0]))
+    assert cache.layers[0].k.shape[0] == 3 and cache.layers[0].cross_k.shape[0] == 1
+
+
+def test_one_token_step_is_not_causal_masked():
+    """A one-token step must see every cached position; with is_causal=True SDPA would let it see only the first."""
+    model = make_model("pre")
+    src, mask = make_batch([5])
+    memory = model.encode(src, mask)
+    cache = KVCache.for_model(model, rows=1, max_len=8, device="cpu")
+    model.decode(torch.tensor([[BOS]]), memory, mask, cache)
+    with_history = model.decode(torch.tensor([[7]]), memory, mask, cache)
+    fresh = KVCache.for_model(model, rows=1, max_len=8, device="cpu")
+    model.decode(torch.tensor([[BOS + 10]]), memory, mask, fresh)
+    other_history = model.decode(torch.tensor([[7]]), memory, mask, fresh)
+    assert not torch.allclose(with_history, other_history)  # the step attends to position 0, not only itself
+
+
+def test_multi_token_call_on_a_filled_cache_is_refused():
+    model = make_model("pre")
+    src, mask = make_batch([5])
+    memory = model.encode(src, mask)
+    cache = KVCache.for_model(model, rows=1, max_len=8, device="cpu")
+    model.decode(torch.tensor([[BOS]]), memory, mask, cache)
+    with pytest.raises(ValueError, match="start at position 0"):
+        model.decode(torch.tensor([[5, 6]]), memory, mask, cache)
+
+
+def test_sdpa_attention_matches_reference_and_no_row_is_fully_masked():
+    model = make_model("post")
+    attn = model.encoder[0].self_attn
+    src, mask = make_batch([6, 3])
+    x = model._embed(model.src_embed, src)
+    key_mask = model.attention_mask(mask)  # (B, 1, 1, S)
+    assert key_mask.any(dim=-1).all(), "every query row must have at least one key (sources end in EOS)"
+    # Reference: explicit softmax(QK^T / sqrt(d))V with -inf on padded keys.
+    B, S, d = x.shape
+    q, k, v = attn.qkv(x).view(B, S, 3, 4, d // 4).permute(2, 0, 3, 1, 4)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d // 4)
+    scores = scores.masked_fill(~key_mask, float("-inf"))
+    ref = attn.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(B, S, d))
+    torch.testing.assert_close(attn(x, key_mask), ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(model.encode(src, mask)).all()
+
+
+def test_three_way_tied_embeddings_are_one_tensor():
+    model = make_model()
+    assert model.src_embed.weight is model.tgt_embed.weight is model.output.weight
+    separate = Transformer(model.cfg, VOCAB, VOCAB + 3, joint_vocab=False)
+    assert separate.tgt_embed.weight is separate.output.weight
+    assert separate.src_embed.weight is not separate.tgt_embed.weight
+    from dataclasses import replace
+
+    untied = Transformer(replace(model.cfg, tie_embeddings=False), VOCAB, VOCAB, joint_vocab=True)
+    assert untied.output.weight is not untied.tgt_embed.weight
+    # Three-way tying saves exactly two vocabulary x d_model matrices.
+    assert untied.num_parameters() - model.num_parameters() == 2 * VOCAB * model.cfg.d_model
+
+
+def test_base_config_parameter_count_is_near_the_paper():
+    model = Transformer(ModelConfig(), 37000, 37000, joint_vocab=True)
+    assert 60e6 < model.num_parameters() < 66e6  # the paper reports 65M
+
+
+def test_pad_embedding_is_zero_and_gradients_flow():
+    model = make_model().train()
+    assert model.src_embed.weight[PAD].abs().sum() == 0
+    src, mask = make_batch([5, 3])
+    tgt = torch.tensor([[BOS, 5, 6], [BOS, 7, PAD]])
+    logits = model(src, mask, tgt)
+    F.cross_entropy(logits.flatten(0, 1), torch.tensor([5, 6, EOS, 7, EOS, PAD]), ignore_index=PAD).backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if "learned" not in n)

@@ -1,0 +1,236 @@
+"""Search properties: beam 1 equals greedy, beam never scores worse than greedy, batch independence, length limits,
+n-best order, no-repeat-ngram, sampling; on a mock model with known scores and on a random Transformer."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from mtcli.config import ModelConfig
+from mtcli.model import Transformer
+from mtcli.search import beam_search, greedy_search, length_penalty, max_output_lengths, sample
+from mtcli.tokenizer import BOS, EOS, PAD
+
+VOCAB = 30
+
+
+class MockModel(nn.Module):
+    """Next-token log-probabilities are a fixed function of the prefix (a dict), so search results are known.
+
+    The prefix is read back from the KV cache, where each step stores its input token: this also checks that the
+    search reorders the cache with the right back-pointers."""
+
+    def __init__(self, table: dict[tuple[int, ...], dict[int, float]], vocab: int = 8, default=None):
+        super().__init__()
+        self.table, self.vocab, self.default = table, vocab, default or {EOS: 1.0}
+        self.cfg = SimpleNamespace(d_model=2, heads=1)
+        self.decoder = [None]
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def encode(self, src, src_pad_mask):
+        return torch.zeros(src.shape[0], src.shape[1], 2)
+
+    def decode(self, tgt, memory, src_pad_mask, cache):
+        pos = cache.length
+        cache.layers[0].k[:, 0, pos, 0] = tgt[:, 0].float()
+        cache.length += 1
+        prefixes = cache.layers[0].k[:, 0, 1 : pos + 1, 0].long().tolist()
+        logits = torch.full((tgt.shape[0], 1, self.vocab), -30.0)
+        for row, prefix in enumerate(prefixes):
+            for token, prob in self.table.get(tuple(prefix), self.default).items():
+                logits[row, 0, token] = math.log(prob)
+        return logits
+
+
+def src_batch(lengths):
+    S = max(lengths) + 1
+    src = torch.full((len(lengths), S), PAD)
+    for row, n in enumerate(lengths):
+        src[row, :n] = 5
+        src[row, n] = EOS
+    return src, src == PAD
+
+
+def test_length_penalty_values():
+    assert length_penalty(1, 0.0) == 1.0
+    assert length_penalty(1, 1.0) == 1.0
+    assert length_penalty(7, 0.6) == pytest.approx((12 / 6) ** 0.6)
+
+
+def test_beam_finds_what_greedy_misses_on_known_scores():
+    # Greedy takes 4 (0.6) and then faces a flat distribution; beam 2 also keeps 5 (0.4), which ends with 0.99.
+    table = {
+        (): {4: 0.6, 5: 0.4},
+        (4,): {6: 0.2, 7: 0.2, EOS: 0.2, 4: 0.2, 5: 0.2},
+        (5,): {EOS: 0.99, 6: 0.01},
+        (4, 6): {EOS: 1.0},
+        (4, 7): {EOS: 1.0},
+        (4, 4): {EOS: 1.0},
+        (4, 5): {EOS: 1.0},
+    }
+    model = MockModel(table)
+    src, mask = src_batch([3])
+    max_lens = torch.tensor([5])
+    greedy = greedy_search(model, src, mask, max_lens)[0]
+    beam = beam_search(model, src, mask, max_lens, beam_size=2, lenpen=0.0)[0][0]
+    assert greedy.tokens in ([4, 6], [4, 7], [4], [4, 4], [4, 5])
+    assert beam.tokens == [5]
+    assert beam.score == pytest.approx(math.log(0.4 * 0.99), abs=1e-4)
+    assert beam.score > greedy.score
+
+
+def test_beam_one_equals_greedy_on_known_scores():
+    table = {(): {4: 0.6, 5: 0.4}, (4,): {EOS: 0.45, 6: 0.55}, (4, 6): {EOS: 0.3, 7: 0.7}, (4, 6, 7): {EOS: 1.0}}
+    model = MockModel(table)
+    src, mask = src_batch([3])
+    greedy = greedy_search(model, src, mask, torch.tensor([6]))[0]
+    for lenpen in (0.0, 0.6, 1.0):
+        beam = beam_search(model, src, mask, torch.tensor([6]), beam_size=1, lenpen=lenpen)[0][0]
+        assert beam.tokens == greedy.tokens
+
+
+def test_nbest_is_sorted_and_distinct():
+    table = {(): {4: 0.5, 5: 0.3, 6: 0.2}}
+    model = MockModel(table)
+    src, mask = src_batch([2])
+    hyps = beam_search(model, src, mask, torch.tensor([4]), beam_size=3, nbest=3)[0]
+    assert [h.tokens for h in hyps] == [[4], [5], [6]]
+    assert hyps[0].score >= hyps[1].score >= hyps[2].score
+
+
+def test_max_length_is_respected_and_forces_eos():
+    # The model never wants to stop; the limit makes it.
+    never_stop = {4: 0.7, 5: 0.2999, EOS: 0.0001}
+    model = MockModel({}, default=never_stop)
+    src, mask = src_batch([3, 3])
+    max_lens = torch.tensor([2, 4])
+    assert [h.tokens for h in greedy_search(model, src, mask, max_lens)] == [[4, 4], [4, 4, 4, 4]]
+    beams = beam_search(model, src, mask, max_lens, beam_size=2, nbest=2)
+    assert [hyps[0].tokens for hyps in beams] == [[4, 4], [4, 4, 4, 4]]
+    assert all(len(h.tokens) <= int(m) for hyps, m in zip(beams, max_lens) for h in hyps)
+
+
+def test_max_output_lengths():
+    lens = max_output_lengths(torch.tensor([0, 10, 500]), a=1.5, b=5, max_positions=256)
+    assert lens.tolist() == [5, 20, 255]
+
+
+@pytest.fixture(scope="module")
+def reverse_model():
+    """A tiny Transformer trained for a few seconds to reverse digit strings: it ends its outputs with EOS at
+    varied lengths, and is unsure enough that beam search and greedy search can differ (a random model collapses
+    into repeating one token until the length limit)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(layers=1, d_model=32, heads=4, d_ff=64, norm="pre", max_positions=64, dropout=0.0)
+    model = Transformer(cfg, VOCAB, VOCAB, joint_vocab=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(150):
+        lengths = torch.randint(1, 9, (32,), generator=g).tolist()
+        src, mask = random_sources(lengths, generator=g)
+        tgt_in = torch.full((32, 10), PAD)
+        tgt_out = torch.full((32, 10), PAD)
+        for row, n in enumerate(lengths):
+            rev = src[row, :n].flip(0)
+            tgt_in[row, 0], tgt_in[row, 1 : n + 1] = BOS, rev
+            tgt_out[row, :n], tgt_out[row, n] = rev, EOS
+        logits = model(src, mask, tgt_in)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=PAD)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def random_sources(lengths, seed=3, generator=None):
+    g = generator or torch.Generator().manual_seed(seed)
+    S = max(lengths) + 1
+    src = torch.full((len(lengths), S), PAD)
+    for row, n in enumerate(lengths):
+        src[row, :n] = torch.randint(4, VOCAB, (n,), generator=g)
+        src[row, n] = EOS
+    return src, src == PAD
+
+
+@pytest.mark.parametrize("lenpen", [0.0, 0.6])
+def test_beam_one_equals_greedy_on_a_transformer(lenpen, reverse_model):
+    model = reverse_model
+    src, mask = random_sources([5, 9, 2, 7])
+    max_lens = max_output_lengths(torch.tensor([5, 9, 2, 7]), 2.0, 5, 64)
+    greedy = greedy_search(model, src, mask, max_lens)
+    beam = beam_search(model, src, mask, max_lens, beam_size=1, lenpen=lenpen)
+    assert [g.tokens for g in greedy] == [b[0].tokens for b in beam]
+    assert any(len(g.tokens) < int(m) for g, m in zip(greedy, max_lens))  # some end by EOS, not only the limit
+
+
+def test_beam_is_never_worse_than_greedy_under_the_same_scoring(reverse_model):
+    model = reverse_model
+    lengths = [3, 6, 8, 4, 5, 7, 8, 8, 2, 6, 7, 5]
+    src, mask = random_sources(lengths, seed=9)
+    max_lens = max_output_lengths(torch.tensor(lengths), 2.0, 5, 64)
+    lenpen = 0.6
+    greedy = greedy_search(model, src, mask, max_lens)
+    beam = beam_search(model, src, mask, max_lens, beam_size=5, lenpen=lenpen)
+    for g, b in zip(greedy, beam):
+        greedy_score = g.log_prob / length_penalty(len(g.tokens) + 1, lenpen)
+        assert b[0].score >= greedy_score - 1e-4
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_a_sentence_result_does_not_depend_on_its_batch(search, reverse_model):
+    model = reverse_model
+    lengths = [4, 11, 2, 7, 9]
+    src, mask = random_sources(lengths, seed=5)
+    max_lens = max_output_lengths(torch.tensor(lengths), 2.0, 5, 64)
+
+    def run(rows):
+        s = src[rows][:, : int((~mask[rows]).sum(1).max())]
+        if search == "greedy":
+            return [h.tokens for h in greedy_search(model, s, s == PAD, max_lens[rows])]
+        return [hyps[0].tokens for hyps in beam_search(model, s, s == PAD, max_lens[rows], beam_size=4, lenpen=0.6)]
+
+    together = run(list(range(5)))
+    alone = [run([i])[0] for i in range(5)]
+    assert together == alone
+
+
+def test_min_len_blocks_early_eos():
+    table = {(): {EOS: 0.9, 4: 0.1}, (4,): {EOS: 0.9, 5: 0.1}, (4, 5): {EOS: 1.0}}
+    model = MockModel(table)
+    src, mask = src_batch([3])
+    assert greedy_search(model, src, mask, torch.tensor([5]), min_len=2)[0].tokens == [4, 5]
+    assert beam_search(model, src, mask, torch.tensor([5]), beam_size=2, min_len=2)[0][0].tokens == [4, 5]
+
+
+def test_no_repeat_ngram_blocks_repeats():
+    # The model wants to repeat "4 5" forever.
+    table = {(): {4: 0.9, 6: 0.1}}
+    prefix = ()
+    for i in range(10):
+        token = 4 if i % 2 == 0 else 5
+        table[prefix] = {token: 0.8, 6: 0.1, EOS: 0.1}
+        prefix = prefix + (token,)
+    table[prefix] = {EOS: 1.0}
+    model = MockModel(table)
+    src, mask = src_batch([3])
+    free = beam_search(model, src, mask, torch.tensor([12]), beam_size=2)[0][0].tokens
+    blocked = beam_search(model, src, mask, torch.tensor([12]), beam_size=2, no_repeat_ngram=2)[0][0].tokens
+    assert free == [4, 5] * 5
+    bigrams = list(zip(blocked, blocked[1:]))
+    assert len(bigrams) == len(set(bigrams))
+    assert free != blocked
+
+
+def test_sampling_top_k_one_is_greedy_and_respects_max_length(reverse_model):
+    model = reverse_model
+    lengths = [5, 3, 8]
+    src, mask = random_sources(lengths, seed=2)
+    max_lens = max_output_lengths(torch.tensor(lengths), 1.0, 2, 64)
+    greedy = greedy_search(model, src, mask, max_lens)
+    one = sample(model, src, mask, max_lens, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert [h.tokens for h in one] == [h.tokens for h in greedy]
+    free = sample(model, src, mask, max_lens, temperature=1.5, top_p=0.9, generator=torch.Generator().manual_seed(1))
+    assert all(len(h.tokens) <= int(m) for h, m in zip(free, max_lens))
+    assert all(BOS not in h.tokens and PAD not in h.tokens and EOS not in h.tokens for h in free)

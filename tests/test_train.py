@@ -1,0 +1,315 @@
+"""Training: schedule, loss, checkpoints (round trip, atomic writes), exact resume, signals, DDP on 2 CPU processes."""
+
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mtcli import checkpoint as ckpt
+from mtcli.config import TrainConfig, load_config
+from mtcli.data import batch_indices, prepare
+from mtcli.errors import MtcliError
+from mtcli.train import LossModel, lr_at, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tiny_config(cache_dir, **overrides):
+    """The toy corpus with a very small model: a few updates take a second or two."""
+    settings = {
+        "data.cache_dir": str(cache_dir),
+        "model.layers": 1,
+        "model.d_model": 32,
+        "model.heads": 2,
+        "model.d_ff": 64,
+        "train.max_tokens": 4096,
+        "train.max_updates": 16,
+        "train.valid_every": 8,
+        "train.log_every": 1,
+        "train.warmup": 4,
+        "train.valid_max_sentences": 20,
+        "train.threads": 1,
+    }
+    settings.update(overrides)
+    return load_config("toy.yaml", [f"{k}={v}" for k, v in settings.items()])
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("cache")
+    prepare(tiny_config(folder), log=lambda *_: None)
+    return folder
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Pure pieces
+
+
+def test_inverse_sqrt_schedule_at_warmup_boundaries():
+    cfg = TrainConfig(lr=7e-4, warmup=4000)
+    assert lr_at(1, cfg) == pytest.approx(7e-4 / 4000)
+    assert lr_at(2000, cfg) == pytest.approx(3.5e-4)
+    assert lr_at(4000, cfg) == pytest.approx(7e-4)
+    assert lr_at(16000, cfg) == pytest.approx(3.5e-4)
+    # It is the paper's formula d^-0.5 * min(step^-0.5, step * warmup^-1.5) for d = 512.
+    for step in (1, 100, 3999, 4000, 4001, 50000):
+        paper = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+        assert lr_at(step, TrainConfig(lr=512**-0.5 * 4000**-0.5, warmup=4000)) == pytest.approx(paper)
+
+
+def test_constant_and_cosine_schedules():
+    constant = TrainConfig(lr=1e-3, warmup=10, schedule="constant")
+    assert lr_at(5, constant) == pytest.approx(5e-4) and lr_at(10, constant) == lr_at(1000, constant) == 1e-3
+    cosine = TrainConfig(lr=1e-3, warmup=10, schedule="cosine", max_updates=110, min_lr=1e-5)
+    assert lr_at(10, cosine) == pytest.approx(1e-3)
+    assert lr_at(60, cosine) == pytest.approx((1e-3 + 1e-5) / 2)
+    assert lr_at(110, cosine) == pytest.approx(1e-5)
+
+
+def test_label_smoothed_loss_against_a_hand_computed_value():
+    """eps spread uniformly over the vocabulary: (1 - eps) * nll + eps * mean over classes of -log p."""
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, logits):
+            super().__init__()
+            self.fixed = logits
+
+        def encode(self, src, mask):
+            return src
+
+        def decode_hidden(self, tgt_in, memory, mask):
+            return self.fixed
+
+        def logits(self, hidden):
+            return hidden
+
+    logits = torch.tensor([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4]], [[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]])
+    labels = torch.tensor([0, 3, 2])  # the fourth position is padding
+    index = torch.tensor([0, 1, 2])
+    eps = 0.1
+    loss = LossModel(Fixed(logits), eps)(None, None, None, index, labels)
+    expected = 0.0
+    for (b, t), label in zip([(0, 0), (0, 1), (1, 0)], labels.tolist()):
+        log_p = logits[b, t].log_softmax(-1)
+        expected += (1 - eps) * -log_p[label] + eps * -log_p.mean()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+    # The same as the unfused formula with ignore_index over every position.
+    full = F.cross_entropy(logits.flatten(0, 1), torch.tensor([0, 3, 2, 0]), reduction="none", label_smoothing=eps)
+    assert float(loss) == pytest.approx(float(full[:3].sum()), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def test_checkpoint_round_trip(cache_dir, tmp_path):
+    cfg = tiny_config(cache_dir, **{"train.max_updates": 3, "train.valid_every": 3})
+    result = train(cfg, tmp_path / "run")
+    path = ckpt.last_checkpoint(tmp_path / "run")
+    assert path.name == "update_00000003" and ckpt.best_checkpoint(tmp_path / "run") == path
+    model, config, tokenizer = ckpt.load_model(path)
+    assert config == cfg
+    original = result.model.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, original[name]), name
+    assert model.output.weight is model.src_embed.weight  # tying survives the round trip
+    state = torch.load(path / "state.pt", weights_only=True)  # loads without unpickling code
+    assert state["update"] == 3 and "optimizer" in state and "rng" in state
+    assert tokenizer.encode_src(["I love apples"])[0]
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_loadable(cache_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(cache_dir, **{"train.max_updates": 2, "train.valid_every": 2})
+    result = train(cfg, tmp_path / "run")
+    run = tmp_path / "run"
+    good = ckpt.last_checkpoint(run)
+
+    def crash(obj, f, *args, **kwargs):
+        Path(f).write_bytes(b"half a checkpoint")
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError, match="simulated"):
+        ckpt.save_checkpoint(run, 3, result.model, cfg, prepare(cfg, log=lambda *_: None).tokenizer, {"update": 3})
+    monkeypatch.undo()
+    assert ckpt.last_checkpoint(run) == good
+    assert not [p for p in ckpt.checkpoint_dir(run).iterdir() if p.name.startswith(".")]  # temp folder removed
+    ckpt.load_model(good)
+    # A kill leaves no cleanup at all: the half-written folder has a temporary name and is never picked.
+    stale = ckpt.checkpoint_dir(run) / ".update_00000009.tmp-12345"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"garbage")
+    assert ckpt.last_checkpoint(run) == good
+    ckpt.remove_temporary(run)
+    assert not stale.exists()
+
+
+def test_training_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(cache_dir, tmp_path):
+    cfg = tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1})
+    with pytest.raises(MtcliError, match="no checkpoint to resume"):
+        train(cfg, tmp_path / "run", resume=True)
+    train(cfg, tmp_path / "run")
+    with pytest.raises(MtcliError, match="--resume"):
+        train(cfg, tmp_path / "run")
+    other = tiny_config(cache_dir, **{"model.d_ff": 128, "train.max_updates": 2})
+    with pytest.raises(MtcliError, match="model.d_ff"):
+        train(other, tmp_path / "run", resume=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Exact resume
+
+
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(cache_dir, tmp_path):
+    """Stopped at update 7 (between validations, in the first epoch) and resumed: bit-identical per-update losses and
+    weights, across an epoch boundary and a validation."""
+    big_batches = {"train.max_tokens": 8192}  # about 9 batches per epoch
+    full = train(tiny_config(cache_dir, **big_batches), tmp_path / "full")
+    part = tiny_config(cache_dir, **big_batches, **{"train.max_updates": 7})
+    train(part, tmp_path / "part")
+    resumed = train(tiny_config(cache_dir, **big_batches), tmp_path / "part", resume=True)
+    assert resumed.update == full.update == 16
+    assert losses(tmp_path / "part") == losses(tmp_path / "full")
+    state = torch.load(ckpt.last_checkpoint(tmp_path / "part") / "state.pt", weights_only=True)
+    assert state["epoch"] >= 1  # the resumed part crossed an epoch boundary, so the data position was tested too
+    for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_sigterm_saves_and_the_run_resumes(cache_dir, tmp_path):
+    """A real process: SIGTERM mid-run finishes the update, writes a checkpoint, says how to resume, exits 143."""
+    run = tmp_path / "run"
+    sets = {**_set_args(cache_dir), "train.max_updates": 400, "train.valid_every": 400}
+    cmd = [sys.executable, "-m", "mtcli", "train", "--config", "toy.yaml", "--run-dir", str(run)]
+    for k, v in sets.items():
+        cmd += ["--set", f"{k}={v}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    lines = []
+    for line in proc.stderr:
+        lines.append(line)
+        if line.startswith("update       3"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    _, rest = proc.communicate(timeout=120)
+    output = "".join(lines) + rest
+    assert proc.returncode == 143, output
+    assert "resume with: mtcli train" in output and "--resume" in output
+    saved = ckpt.last_checkpoint(run)
+    stopped_at = int(saved.name.split("_")[1])
+    assert 3 <= stopped_at < 400
+    resumed = subprocess.run(
+        cmd + ["--resume", "--set", f"train.max_updates={stopped_at + 2}"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    assert ckpt.last_checkpoint(run).name == f"update_{stopped_at + 2:08d}"
+    assert [json.loads(x)["update"] for x in (run / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, stopped_at + 3)
+    )
+
+
+def _set_args(cache_dir):
+    return {
+        "data.cache_dir": str(cache_dir),
+        "model.layers": 1,
+        "model.d_model": 32,
+        "model.heads": 2,
+        "model.d_ff": 64,
+        "train.log_every": 1,
+        "train.threads": 1,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Distributed
+
+
+def _ddp_worker(rank, world, port, cache_dir, run_dir, out_dir, tokens_per_update):
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    torch.set_num_threads(1)
+    cfg = tiny_config(
+        cache_dir,
+        **{
+            "train.max_updates": 5,
+            "train.valid_every": 5,
+            "model.dropout": 0.0,
+            "train.tokens_per_update": tokens_per_update,
+        },
+    )
+    result = train(cfg, run_dir)
+    torch.save(result.model.state_dict(), Path(out_dir) / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def test_two_process_ddp_keeps_ranks_identical_and_matches_one_process(cache_dir, tmp_path):
+    cfg = tiny_config(cache_dir)
+    train_split = prepare(cfg, log=lambda *_: None).split("train")
+    per_batch = train_split.tgt_lens.sum() / len(
+        batch_indices(train_split.src_lens, train_split.tgt_lens, cfg.train.max_tokens, cfg.train.seed, 0)
+    )
+    tokens_per_update = int(2 * per_batch)  # one process: 2 micro-batches per update; two processes: 1 each
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(
+        _ddp_worker, args=(2, port, cache_dir, tmp_path / "ddp", tmp_path, tokens_per_update), nprocs=2, join=True
+    )
+    rank0, rank1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    for name in rank0:
+        assert torch.equal(rank0[name], rank1[name]), f"{name} differs across ranks"
+    assert (tmp_path / "ddp" / "metrics.jsonl").is_file()
+    # One process with accumulation sees the same batches per update: same losses up to float reduction order.
+    single = tiny_config(
+        cache_dir,
+        **{
+            "train.max_updates": 5,
+            "train.valid_every": 5,
+            "model.dropout": 0.0,
+            "train.tokens_per_update": tokens_per_update,
+        },
+    )
+    one = train(single, tmp_path / "single")
+    for a, b in zip(losses(tmp_path / "ddp"), losses(tmp_path / "single")):
+        assert a == pytest.approx(b, rel=1e-4)
+    for name, tensor in one.model.state_dict().items():
+        assert torch.allclose(tensor, rank0[name], atol=1e-4), name
+
+
+def test_nonfinite_losses_stop_the_run_with_a_clear_error(cache_dir, tmp_path, monkeypatch):
+    cfg = tiny_config(cache_dir, **{"train.max_updates": 20, "train.valid_every": 2, "train.max_nonfinite": 3})
+    calls = {"n": 0}
+    original = LossModel.forward
+
+    def explode_after_two_updates(self, *args):
+        calls["n"] += 1
+        loss = original(self, *args)
+        return loss * float("nan") if calls["n"] > 2 else loss
+
+    monkeypatch.setattr(LossModel, "forward", explode_after_two_updates)
+    start = time.time()
+    with pytest.raises(MtcliError, match="non-finite") as err:
+        train(cfg, tmp_path / "run")
+    assert "update_00000002" in str(err.value)  # names the intact last checkpoint
+    assert ckpt.last_checkpoint(tmp_path / "run").name == "update_00000002"
+    assert time.time() - start < 60
+    model, _, _ = ckpt.load_model(ckpt.last_checkpoint(tmp_path / "run"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert math.isfinite(losses(tmp_path / "run")[-1])
