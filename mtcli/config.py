@@ -69,7 +69,10 @@ class DataConfig:
 
     def __post_init__(self):
         _check(self.max_len > 0, "data.max_len", "must be positive")
-        _check(self.max_ratio >= 0, "data.max_ratio", "must be >= 0 (0 disables the ratio filter)")
+        # A ratio is longer side / shorter side, so it is at least 1: a limit under 1 would drop every pair.
+        _check(
+            self.max_ratio == 0 or self.max_ratio >= 1, "data.max_ratio", "must be 0 (no ratio filter) or at least 1"
+        )
         _check(self.vocab_size >= 16, "data.vocab_size", "must be at least 16")
         _check(self.spm_sample > 0, "data.spm_sample", "must be positive")
         _check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")

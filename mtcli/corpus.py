@@ -53,7 +53,8 @@ def describe_source(cfg: DataConfig) -> str:
     if cfg.dataset == "toy":
         return "the built-in toy corpus"
     subset = f", subset {cfg.subset}" if cfg.subset else ""
-    return f"{cfg.dataset} (Hugging Face Hub{subset})"
+    where = "a local folder laid out like a Hub dataset" if Path(cfg.dataset).is_dir() else "Hugging Face Hub"
+    return f"{cfg.dataset} ({where}{subset})"
 
 
 def split_names(cfg: DataConfig) -> dict[str, str]:
@@ -159,11 +160,28 @@ def _load_files(builder: str, path: Path, **kwargs):
 
     check_utf8(path)
     datasets.utils.logging.set_verbosity_error()
-    with _quiet_progress():
+    with _quiet_progress(), _no_download_count():
         try:
+            if builder == "text" and has_bare_cr(path):
+                # The `text` builder opens files with universal newlines, so a lone \r inside a line would split it
+                # in two and silently shift every later line against the other side. Only \n ends a line here (as
+                # for wc -l and sacreBLEU); clean() turns the \r into a space.
+                stat = path.stat()
+                return datasets.Dataset.from_generator(
+                    _text_lines,
+                    features=datasets.Features({"text": datasets.Value("string")}),
+                    gen_kwargs={"path": str(path)},
+                    fingerprint=fingerprint_hash(["text-lines", str(path.resolve()), stat.st_size, stat.st_mtime_ns]),
+                )
             return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
         except Exception as e:  # the library's own error, cut to one line and tied to the file
             raise MtcliError(f"{path}: could not read as {builder}: {_one_line(e)}") from None
+
+
+def _text_lines(path: str) -> Iterator[dict[str, str]]:
+    with open(path, encoding="utf-8", newline="\n") as f:
+        for line in f:
+            yield {"text": line.removesuffix("\n").removesuffix("\r")}
 
 
 def _open_text_pair(role: str, name: str, src_path: Path, tgt_path: Path) -> SplitSource:
@@ -262,17 +280,21 @@ def _columns_source(cfg: DataConfig, role: str, name: str, ds, where: str) -> Sp
     if cfg.src_column or cfg.tgt_column:
         src_col, tgt_col = cfg.src_column or cfg.src_lang, cfg.tgt_column or cfg.tgt_lang
     elif "translation" in columns:
-        first = ds[0]["translation"] if ds.num_rows else {}
-        missing = [lang for lang in (cfg.src_lang, cfg.tgt_lang) if lang not in first]
+        # The languages from the column's type (a `Translation` feature, or a struct read from JSON), else a row.
+        feature = ds.features["translation"]
+        languages = getattr(feature, "languages", None) or (list(feature) if isinstance(feature, dict) else None)
+        if languages is None:
+            languages = list((ds[0]["translation"] or {}) if ds.num_rows else {})
+        missing = [lang for lang in (cfg.src_lang, cfg.tgt_lang) if lang not in languages]
         if missing:
             raise MtcliError(
                 f"{where} split `{name}`: its `translation` column has languages "
-                f"{', '.join(first) or 'none'}, not {', '.join(missing)}; set data.src_lang/tgt_lang"
+                f"{', '.join(languages) or 'none'}, not {', '.join(missing)}; set data.src_lang/tgt_lang"
             )
 
         def read_nested(ds, rows):
-            pairs = ds[_rows(rows)]["translation"]
-            return [p[cfg.src_lang] for p in pairs], [p[cfg.tgt_lang] for p in pairs]
+            pairs = [p or {} for p in ds[_rows(rows)]["translation"]]  # a JSON null row: an empty pair
+            return [p.get(cfg.src_lang) for p in pairs], [p.get(cfg.tgt_lang) for p in pairs]
 
         return SplitSource(role, name, ds.num_rows, f"{where} [{name}]", ds, read_nested)
     else:
@@ -317,6 +339,19 @@ def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
             raise MtcliError(f"{path}:{line}: not valid UTF-8 (the file ends inside a character)") from None
 
 
+def has_bare_cr(path: Path, chunk_size: int = 1 << 24) -> bool:
+    """Whether the file holds a carriage return that is not part of a \\r\\n line end."""
+    with open(path, "rb") as f:
+        held = b""  # a \r at the end of a chunk: its \n may start the next one
+        while chunk := f.read(chunk_size):
+            data = held + chunk
+            held = b"\r" if data.endswith(b"\r") else b""
+            body = data[:-1] if held else data
+            if body.count(b"\r") != body.count(b"\r\n"):
+                return True
+    return bool(held)
+
+
 @contextlib.contextmanager
 def _quiet_progress():
     import datasets
@@ -328,6 +363,20 @@ def _quiet_progress():
     finally:
         if was_enabled:
             datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def _no_download_count():
+    """Local files need no network, but `load_dataset("text", ...)` first sends the Hub a HEAD request to count the
+    download: on a machine without network that waits for a DNS or connect timeout (seconds) on every file."""
+    import datasets
+
+    was = datasets.config.HF_UPDATE_DOWNLOAD_COUNTS
+    datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = False
+    try:
+        yield
+    finally:
+        datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = was
 
 
 def _one_line(e: BaseException) -> str:

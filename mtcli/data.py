@@ -134,13 +134,17 @@ def prepare(cfg: Config, log=print, force: bool = False) -> PreparedData:
         return PreparedData(folder, meta)
 
     start = time.time()
-    log(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        sources = open_splits(data_cfg, folder.parent, log=log)
+        # The header comes once the source is open, so a source that cannot be read fails with its error alone.
+        notes: list[str] = []
+        sources = open_splits(data_cfg, folder.parent, log=notes.append)
+        log(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
+        for note in notes:
+            log(note)
         tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg, log)
         dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
         splits = {role: _encode_split(source, tokenizer, tmp, data_cfg, dtype) for role, source in sources.items()}
@@ -186,7 +190,9 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
 
 def clean(line: str | None) -> str:
     """Whitespace runs (and newlines inside a field) to one space, stripped; None (a JSON null) to empty."""
-    return " ".join((line or "").split())
+    if line is None:
+        return ""
+    return " ".join((line if isinstance(line, str) else str(line)).split())  # a JSON number: its text
 
 
 def split_report(meta: dict, cfg: DataConfig) -> list[str]:
@@ -212,8 +218,8 @@ def _train_tokenizer(train, folder: Path, cfg: DataConfig, log) -> Tokenizer:
     rows = sorted(random.Random(0).sample(range(train.num_rows), n)) if n < train.num_rows else None
     src_lines, tgt_lines = [], []
     for sources, targets in train.batches(indices=rows):
-        src_lines += [s.strip() for s in sources if s and s.strip()]
-        tgt_lines += [t.strip() for t in targets if t and t.strip()]
+        src_lines += [s for s in map(clean, sources) if s]  # the text exactly as _encode_split will encode it
+        tgt_lines += [t for t in map(clean, targets) if t]
     kind = "joint" if cfg.joint_vocab else "separate"
     log(
         f"sentencepiece: {kind} {cfg.spm_model_type} vocabulary of {cfg.vocab_size} (character coverage "

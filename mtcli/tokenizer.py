@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from mtcli.config import DataConfig
+from mtcli.errors import MtcliError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 CJK_LANGS = {"zh", "ja", "zh-cn", "zh-tw", "zho", "jpn", "cmn"}
@@ -36,23 +38,35 @@ def normalization(cfg: DataConfig) -> str:
 def train_sentencepiece(sentences: Iterable[str], out_path: Path, cfg: DataConfig) -> None:
     """Fit one SentencePiece model on `sentences` and write it to `out_path`."""
     model = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=model,
-        vocab_size=cfg.vocab_size,
-        model_type=cfg.spm_model_type,
-        character_coverage=character_coverage(cfg),
-        normalization_rule_name=normalization(cfg),
-        byte_fallback=cfg.byte_fallback,
-        pad_id=PAD,
-        unk_id=UNK,
-        bos_id=BOS,
-        eos_id=EOS,
-        hard_vocab_limit=False,  # a small corpus may not support the requested size: take what it supports
-        num_threads=os.cpu_count() or 1,
-        train_extremely_large_corpus=False,
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            vocab_size=cfg.vocab_size,
+            model_type=cfg.spm_model_type,
+            character_coverage=character_coverage(cfg),
+            normalization_rule_name=normalization(cfg),
+            byte_fallback=cfg.byte_fallback,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_id=BOS,
+            eos_id=EOS,
+            hard_vocab_limit=False,  # a small corpus may not support the requested size: take what it supports
+            num_threads=os.cpu_count() or 1,
+            train_extremely_large_corpus=False,
+            minloglevel=2,
+        )
+    except RuntimeError as e:  # SentencePiece reports bad settings as RuntimeError("INTERNAL: <file>(<line>) ...")
+        text = " ".join(str(e).split())
+        # hard_vocab_limit=False allows fewer pieces than asked, never fewer than the characters to keep.
+        need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", text)
+        if need:
+            raise MtcliError(
+                f"data.vocab_size: {cfg.vocab_size} is too small for this corpus: its characters alone (character "
+                f"coverage {character_coverage(cfg):g}{', plus 256 byte pieces' if cfg.byte_fallback else ''}) "
+                f"need {need[1]} pieces; raise data.vocab_size or lower data.character_coverage"
+            ) from None
+        raise MtcliError(f"SentencePiece training failed: {text}") from None
     out_path.write_bytes(model.getvalue())
 
 

@@ -1,0 +1,44 @@
+"""Fixtures shared by the test files: the real corpora in ../shared/data, and a tiny corpus made on the spot."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).parents[1] / ".." / "shared" / "data"
+
+# A small closed vocabulary, so valid/test use only characters SentencePiece saw in train.
+WORDS_EN = "the a cat dog house red blue big small runs eats sees man woman child tree green old new".split()
+WORDS_DE = "der die das Katze Hund Haus rot blau groß klein läuft isst sieht Mann Frau Kind Baum grün alt neu".split()
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """The shared real corpora (multi30k/, tatoeba-zh-en/); tests that use it skip when it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared corpora not found at {SHARED_DATA.resolve()} (expected ../shared/data next to the repo)")
+    return SHARED_DATA.resolve()
+
+
+def tiny_pairs(n: int, seed: int) -> list[tuple[str, str]]:
+    """`n` deterministic English-like / German-like sentence pairs of 2 to 8 words."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        k = rng.randint(2, 8)
+        pairs.append((" ".join(rng.choices(WORDS_EN, k=k)), " ".join(rng.choices(WORDS_DE, k=k))))
+    return pairs
+
+
+@pytest.fixture
+def tiny_corpus(tmp_path) -> Path:
+    """A folder of line-aligned plain text: train (300 pairs), valid and test (20 each) as <split>.en / <split>.de."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for split, n, seed in (("train", 300, 1), ("valid", 20, 2), ("test", 20, 3)):
+        pairs = tiny_pairs(n, seed)
+        (folder / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
+        (folder / f"{split}.de").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
+    return folder
