@@ -19,13 +19,34 @@ from mtcli.config import ModelConfig
 from mtcli.tokenizer import PAD
 
 
+class Dropout(nn.Module):
+    """nn.Dropout, with a faster mask on CPU: torch's CPU Bernoulli sampler draws one random number per element,
+    while 64-bit random integers cut into four 16-bit lanes need a quarter of the draws (rate resolution 1/65536).
+    On the benchmark's update this took dropout from ~8% of the time to ~3%. GPUs keep F.dropout."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+        # int16 lanes are uniform on [-32768, 32767]: drop the lowest round(p * 65536) values
+        self.threshold = round(p * 65536) - 32768
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu" or x.numel() % 4:
+            return F.dropout(x, self.p, training=True)
+        lanes = torch.randint(-(2**63), 2**63 - 1, (x.numel() // 4,), dtype=torch.int64).view(torch.int16)
+        keep = (lanes.view(x.shape) >= self.threshold).to(x.dtype)
+        return x * keep.mul_(1.0 / (1.0 - self.p))
+
+
 class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.up = nn.Linear(cfg.d_model, cfg.d_ff)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model)
         self.activation = F.gelu if cfg.activation == "gelu" else F.relu
-        self.dropout = nn.Dropout(cfg.activation_dropout)
+        self.dropout = Dropout(cfg.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.dropout(self.activation(self.up(x))))
@@ -38,7 +59,7 @@ class EncoderLayer(nn.Module):
         self.self_attn = SelfAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
         self.ffn = FeedForward(cfg)
         self.norm1, self.norm2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if self.pre_norm:
@@ -56,7 +77,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = CrossAttention(cfg.d_model, cfg.heads, cfg.attention_dropout)
         self.ffn = FeedForward(cfg)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x, memory, mask, cache=None, start: int = 0) -> torch.Tensor:
         if self.pre_norm:
@@ -90,7 +111,7 @@ class Transformer(nn.Module):
             self.learned_positions = nn.Embedding(cfg.max_positions, d)
         else:
             self.register_buffer("sinusoids", sinusoidal_positions(cfg.max_positions, d), persistent=False)
-        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.embed_dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_encoder_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_decoder_layers))
         # Post-norm layers end in a LayerNorm already; pre-norm stacks need one at the top.

@@ -23,20 +23,21 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from mtcli import checkpoint as ckpt
 from mtcli.config import Config, TrainConfig
 from mtcli.data import PreparedData, batch_indices, cache_folder, collate, padding_efficiency, prepare
+from mtcli.device import choose_precision, keep_freed_memory, resolve_device
 from mtcli.errors import MtcliError
 from mtcli.evaluate import score
 from mtcli.log import Progress, TensorBoard, format_duration, logger, setup_logging
+from mtcli.loss import LossModel, projection_cross_entropy
 from mtcli.model import Transformer
-from mtcli.translate import Translator, resolve_device
+from mtcli.translate import Translator
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Pieces with no state: schedule, loss, precision
+# The learning-rate schedule
 
 
 def lr_at(update: int, cfg: TrainConfig) -> float:
@@ -50,31 +51,6 @@ def lr_at(update: int, cfg: TrainConfig) -> float:
         progress = min(1.0, (update - warmup) / max(1, cfg.max_updates - warmup))
         return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
     return cfg.lr
-
-
-class LossModel(nn.Module):
-    """Summed label-smoothed cross-entropy of a batch, computed on real target positions only (the vocabulary
-    projection skips padding). Wrapping the loss in a module lets DDP and torch.compile see one forward."""
-
-    def __init__(self, model: Transformer, label_smoothing: float):
-        super().__init__()
-        self.model, self.label_smoothing = model, label_smoothing
-
-    def forward(self, src, src_pad_mask, tgt_in, tgt_index, labels) -> torch.Tensor:
-        memory = self.model.encode(src, src_pad_mask)
-        hidden = self.model.decode_hidden(tgt_in, memory, src_pad_mask)  # (B, T, d)
-        logits = self.model.logits(hidden.flatten(0, 1).index_select(0, tgt_index))  # (N, V)
-        return F.cross_entropy(logits.float(), labels, label_smoothing=self.label_smoothing, reduction="sum")
-
-
-def choose_precision(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA where supported, else fp16 on CUDA, fp32 elsewhere (CPUs without bf16 units run it ~100x
-    slower)."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -144,6 +120,8 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     run_dir = Path(run_dir or Path("runs") / cfg.name)
     if tc.threads:
         torch.set_num_threads(tc.threads)
+    if device.type == "cpu":
+        keep_freed_memory()
     setup_run_dir(run_dir, cfg, resume, d)
     data = prepare_once(cfg, d)
     if d.main:
@@ -174,7 +152,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
         lr=tc.lr,
         betas=tc.betas,
         eps=tc.eps,
-        fused=device.type == "cuda" or None,
+        fused=device.type in ("cuda", "cpu"),
     )
 
     state = TrainState()
@@ -203,7 +181,9 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
         f"and process, {d.world} process(es), {dtype_name(dtype)} on {device}; up to update {tc.max_updates}"
     )
 
-    pending: list[tuple[int, torch.Tensor, float, float, int]] = []  # per update: (n, loss sum, lr, gnorm, tokens)
+    # Per update, kept until the next log line so the loss costs no extra host sync: (n, loss sum, lr, gnorm, target
+    # tokens, wall-clock time at its end).
+    pending: list[tuple[int, torch.Tensor, float, float, int, float]] = []
     window = {"tokens": 0, "real": 0, "padded": 0, "start": time.time(), "first_update": state.update}
     stopped_by, saved_at, groups, groups_epoch = "max_updates", state.update, [], None
     try:
@@ -245,7 +225,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             state.update += 1
-            pending.append((state.update, loss_sum, lr, gnorm_value, global_tokens))
+            pending.append((state.update, loss_sum, lr, gnorm_value, global_tokens, time.time()))
             window["tokens"] += global_tokens
             window["real"] += real
             window["padded"] += padded
@@ -436,12 +416,11 @@ def flush_metrics(pending, window, state, tc, d, tb, metrics_file, progress, qui
     elapsed = max(time.time() - window["start"], 1e-9)
     speed = window["tokens"] / elapsed
     eff = window["real"] / max(window["padded"], 1e-9)
-    last_update, _, lr, gnorm, _ = pending[-1]
+    last_update, _, lr, gnorm, _, _ = pending[-1]
     if d.main:
-        for (update, _, lr_i, gnorm_i, tokens), loss in zip(pending, losses):
-            metrics_file.write(
-                json.dumps({"update": update, "loss": loss, "lr": lr_i, "gnorm": gnorm_i, "tokens": tokens}) + "\n"
-            )
+        for (update, _, lr_i, gnorm_i, tokens, end), loss in zip(pending, losses):
+            record = {"update": update, "loss": loss, "lr": lr_i, "gnorm": gnorm_i, "tokens": tokens, "time": end}
+            metrics_file.write(json.dumps(record) + "\n")
             tb.log(update, "train/", loss=loss, lr=lr_i, gnorm=gnorm_i)
         metrics_file.flush()
         tb.log(last_update, "train/", tokens_per_s=speed, padding_efficiency=eff)
@@ -470,11 +449,11 @@ def validation_loss(model: Transformer, data: PreparedData, cfg: Config, device,
         batch = collate(split, indices, max_len=cfg.model.max_positions).to(device)
         with autocast:
             hidden = model.decode_hidden(batch.tgt_in, model.encode(batch.src, batch.src_pad_mask), batch.src_pad_mask)
-            logits = model.logits(hidden.flatten(0, 1).index_select(0, batch.tgt_index)).float()
-        nll_sum += float(F.cross_entropy(logits, batch.labels, reduction="sum"))
-        smoothed_sum += float(
-            F.cross_entropy(logits, batch.labels, reduction="sum", label_smoothing=cfg.train.label_smoothing)
-        )
+            real = hidden.flatten(0, 1).index_select(0, batch.tgt_index)
+            nll_sum += float(projection_cross_entropy(real, model.output.weight, batch.labels, 0.0))
+            smoothed_sum += float(
+                projection_cross_entropy(real, model.output.weight, batch.labels, cfg.train.label_smoothing)
+            )
         tokens += batch.n_tgt_tokens
     nll = nll_sum / max(tokens, 1)
     return {"loss": smoothed_sum / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50))}

@@ -15,6 +15,7 @@ import torch
 
 from mtcli.checkpoint import best_checkpoint, last_checkpoint, load_model
 from mtcli.config import Config, DecodeConfig
+from mtcli.device import keep_freed_memory, resolve_device
 from mtcli.errors import MtcliError
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
 from mtcli.tokenizer import EOS, PAD, Tokenizer
@@ -25,18 +26,6 @@ class Translation:
     text: str
     score: float
     tokens: list[int]
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise MtcliError(f"unknown device `{name}` (use auto, cpu, cuda or cuda:N)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise MtcliError(f"device `{name}` asked for, but CUDA is not available here; use --device cpu")
-    return device
 
 
 def find_run(runs_root: Path = Path("runs")) -> Path:
@@ -85,6 +74,8 @@ class Translator:
     @classmethod
     def load(cls, checkpoint: Path, device: str = "auto", **kwargs) -> Translator:
         dev = resolve_device(device)
+        if dev.type == "cpu":
+            keep_freed_memory()
         model, config, tokenizer = load_model(checkpoint, dev)
         return cls(model, tokenizer, config, dev, **kwargs)
 
@@ -109,7 +100,7 @@ class Translator:
         order = sorted((i for i in range(len(lines)) if results[i] is None), key=lambda i: -len(ids[i]))
         if progress and len(order) < len(lines):
             progress(len(lines) - len(order))
-        for batch in _token_batches(order, ids, decode.batch_tokens):
+        for batch in _token_batches(order, ids, decode.batch_tokens, decode.batch_sentences):
             for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode)):
                 results[i] = hyps
             if progress:
@@ -169,12 +160,16 @@ class Translator:
         return out
 
 
-def _token_batches(order: list[int], ids: list[list[int]], batch_tokens: int) -> list[list[int]]:
-    """Consecutive runs of `order` (sorted longest first) with sentences x longest (with EOS) <= batch_tokens."""
+def _token_batches(
+    order: list[int], ids: list[list[int]], batch_tokens: int, batch_sentences: int = 0
+) -> list[list[int]]:
+    """Consecutive runs of `order` (sorted longest first) with sentences x longest (with EOS) <= batch_tokens and at
+    most batch_sentences sentences (when set)."""
     batches, current, longest = [], [], 0
     for i in order:
         length = len(ids[i]) + 1
-        if current and (len(current) + 1) * max(longest, length) > batch_tokens:
+        full = batch_sentences and len(current) == batch_sentences
+        if current and (full or (len(current) + 1) * max(longest, length) > batch_tokens):
             batches.append(current)
             current, longest = [], 0
         current.append(i)

@@ -171,6 +171,19 @@ def test_base_config_parameter_count_is_near_the_paper():
     assert 60e6 < model.num_parameters() < 66e6  # the paper reports 65M
 
 
+def test_fast_cpu_dropout_keeps_the_rate_and_the_expectation():
+    from mtcli.model import Dropout
+
+    drop = Dropout(0.1).train()
+    x = torch.ones(400, 500)
+    y = drop(x)
+    assert abs((y == 0).float().mean().item() - 0.1) < 0.005
+    assert abs(y.mean().item() - 1.0) < 0.01
+    assert torch.allclose(y[y != 0], torch.tensor(1 / 0.9))
+    assert not torch.equal(y, drop(x))  # a new mask every call
+    assert torch.equal(drop.eval()(x), x)
+
+
 def test_pad_embedding_is_zero_and_gradients_flow():
     model = make_model().train()
     assert model.src_embed.weight[PAD].abs().sum() == 0

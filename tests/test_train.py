@@ -18,7 +18,8 @@ from mtcli import checkpoint as ckpt
 from mtcli.config import TrainConfig, load_config
 from mtcli.data import batch_indices, prepare
 from mtcli.errors import MtcliError
-from mtcli.train import LossModel, lr_at, train
+from mtcli.loss import LossModel, projection_cross_entropy
+from mtcli.train import lr_at, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,34 +82,37 @@ def test_constant_and_cosine_schedules():
 
 def test_label_smoothed_loss_against_a_hand_computed_value():
     """eps spread uniformly over the vocabulary: (1 - eps) * nll + eps * mean over classes of -log p."""
-
-    class Fixed(torch.nn.Module):
-        def __init__(self, logits):
-            super().__init__()
-            self.fixed = logits
-
-        def encode(self, src, mask):
-            return src
-
-        def decode_hidden(self, tgt_in, memory, mask):
-            return self.fixed
-
-        def logits(self, hidden):
-            return hidden
-
-    logits = torch.tensor([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4]], [[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]])
-    labels = torch.tensor([0, 3, 2])  # the fourth position is padding
-    index = torch.tensor([0, 1, 2])
+    logits = torch.tensor([[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4], [1.0, 1.0, 1.0, 1.0]])
+    labels = torch.tensor([0, 3, 2])
     eps = 0.1
-    loss = LossModel(Fixed(logits), eps)(None, None, None, index, labels)
+    # hidden @ identity = the logits, so the fused projection + loss sees exactly these scores
+    loss = projection_cross_entropy(logits, torch.eye(4), labels, eps)
     expected = 0.0
-    for (b, t), label in zip([(0, 0), (0, 1), (1, 0)], labels.tolist()):
-        log_p = logits[b, t].log_softmax(-1)
+    for row, label in zip(logits, labels.tolist()):
+        log_p = row.log_softmax(-1)
         expected += (1 - eps) * -log_p[label] + eps * -log_p.mean()
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
-    # The same as the unfused formula with ignore_index over every position.
-    full = F.cross_entropy(logits.flatten(0, 1), torch.tensor([0, 3, 2, 0]), reduction="none", label_smoothing=eps)
-    assert float(loss) == pytest.approx(float(full[:3].sum()), rel=1e-6)
+
+
+@pytest.mark.parametrize("rows", [5, 1024, 2500])  # one chunk, exactly one, several with a remainder
+def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, 16, requires_grad=True)
+    weight = (torch.randn(50, 16) * 0.3).requires_grad_()
+    labels = torch.randint(4, 50, (rows,))
+    fused = projection_cross_entropy(hidden, weight, labels, 0.1) * 0.37
+    fused.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    reference = F.cross_entropy(hidden @ weight.t(), labels, label_smoothing=0.1, reduction="sum") * 0.37
+    reference.backward()
+    assert float(fused.detach()) == pytest.approx(float(reference.detach()), rel=1e-5)
+    torch.testing.assert_close(grads[0], hidden.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(grads[1], weight.grad, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # validation: no gradients kept, same value
+        assert float(projection_cross_entropy(hidden, weight, labels, 0.1)) == pytest.approx(
+            float(fused.detach()) / 0.37
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
