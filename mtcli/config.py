@@ -190,7 +190,8 @@ class DecodeConfig:
     min_len: int = 0
     nbest: int = 1
     no_repeat_ngram: int = 0
-    batch_tokens: int = 4096  # source subwords per translation batch
+    batch_tokens: int = 4096  # source subwords per translation batch (sentences x longest)
+    batch_sentences: int = 0  # at most this many sentences per batch; 0: no limit
     sampling: bool = False  # sample instead of search (temperature, top_k, top_p)
     temperature: float = 1.0
     top_k: int = 0
@@ -205,6 +206,7 @@ class DecodeConfig:
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
         _check(self.batch_tokens > 0, "decode.batch_tokens", "must be positive")
+        _check(self.batch_sentences >= 0, "decode.batch_sentences", "must be >= 0 (0: no limit)")
         _check(self.temperature > 0, "decode.temperature", "must be positive")
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
         _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
