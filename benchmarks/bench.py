@@ -71,24 +71,17 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def mtcli(*args: str) -> None:
+def train_run(run: Path, updates: int, log_every: int) -> None:
+    """`mtcli train` with the benchmark config in a child process (its peak RSS is then the child's own)."""
+    shutil.rmtree(run, ignore_errors=True)
+    sets = [f"train.max_updates={updates}", f"train.log_every={log_every}"]
+    args = ["train", "--config", str(CONFIG), "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]
     subprocess.run([sys.executable, "-m", "mtcli", *args], cwd=ROOT, check=True)
 
 
 def bench_training(cfg, data, peak: float) -> dict:
     run = CACHE / "train-run"
-    shutil.rmtree(run, ignore_errors=True)
-    mtcli(
-        "train",
-        "--config",
-        str(CONFIG),
-        "--run-dir",
-        str(run),
-        "--set",
-        f"train.max_updates={WARMUP_UPDATES + TIMED_UPDATES}",
-        "--set",
-        "train.log_every=10",
-    )
+    train_run(run, WARMUP_UPDATES + TIMED_UPDATES, log_every=10)
     peak_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the training child, the first one
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     timed = records[WARMUP_UPDATES:]
@@ -123,20 +116,7 @@ def decode_model() -> Path:
     ckpt = last_checkpoint(run)
     if ckpt is None or not ckpt.name.endswith(f"{DECODE_MODEL_UPDATES:08d}"):
         print(f"training the decoding model ({DECODE_MODEL_UPDATES} updates, once; kept in {run})", flush=True)
-        shutil.rmtree(run, ignore_errors=True)
-        mtcli(
-            "train",
-            "--config",
-            str(CONFIG),
-            "--run-dir",
-            str(run),
-            "--set",
-            f"train.max_updates={DECODE_MODEL_UPDATES}",
-            "--set",
-            "train.log_every=100",
-            "--set",
-            "train.lr=1e-3",
-        )
+        train_run(run, DECODE_MODEL_UPDATES, log_every=100)
         ckpt = last_checkpoint(run)
     return ckpt
 

@@ -317,3 +317,17 @@ def test_nonfinite_losses_stop_the_run_with_a_clear_error(cache_dir, tmp_path, m
     model, _, _ = ckpt.load_model(ckpt.last_checkpoint(tmp_path / "run"))
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert math.isfinite(losses(tmp_path / "run")[-1])
+
+
+def test_average_refuses_different_architectures_and_averages_equal_ones(cache_dir, tmp_path):
+    cfg = tiny_config(cache_dir, **{"train.max_updates": 2, "train.valid_every": 1, "train.keep_last": 5})
+    train(cfg, tmp_path / "a")
+    first, second = ckpt.list_checkpoints(tmp_path / "a")
+    averaged = ckpt.average_checkpoints([first, second], tmp_path / "avg")
+    model, _, _ = ckpt.load_model(averaged)
+    a, b = ckpt.load_model(first)[0].state_dict(), ckpt.load_model(second)[0].state_dict()
+    for name, tensor in model.state_dict().items():
+        torch.testing.assert_close(tensor, (a[name] + b[name]) / 2)
+    train(tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1, "model.d_ff": 128}), tmp_path / "b")
+    with pytest.raises(MtcliError, match="different architectures"):
+        ckpt.average_checkpoints([first, ckpt.last_checkpoint(tmp_path / "b")], tmp_path / "bad")
