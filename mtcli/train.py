@@ -251,11 +251,12 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
                 stopped_by = stop.name
                 progress.clear()
                 path = save(model, data, cfg, run_dir, state, optimizer, scaler, d)
+                saved_at = state.update
                 if d.main:
                     logger.info(f"stopped by {stop.name} at update {state.update}; saved {path}")
                 break
         flush_metrics(pending, window, state, tc, d, tb, metrics_file, progress)
-        if saved_at != state.update:  # ended by max_epochs between validations
+        if stopped_by == "max_epochs" and saved_at != state.update:  # the last epoch ended between validations
             validate_and_save(model, data, cfg, run_dir, state, optimizer, scaler, d, tb, device, autocast)
     finally:
         stop.restore()

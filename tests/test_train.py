@@ -211,6 +211,7 @@ def test_sigterm_saves_and_the_run_resumes(cache_dir, tmp_path):
     output = "".join(lines) + rest
     assert proc.returncode == 143, output
     assert "resume with: mtcli train" in output and "--resume" in output
+    assert "valid update" not in output  # a stop request saves and exits; it does not validate first
     saved = ckpt.last_checkpoint(run)
     stopped_at = int(saved.name.split("_")[1])
     assert 3 <= stopped_at < 400
@@ -331,3 +332,14 @@ def test_average_refuses_different_architectures_and_averages_equal_ones(cache_d
     train(tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1, "model.d_ff": 128}), tmp_path / "b")
     with pytest.raises(MtcliError, match="different architectures"):
         ckpt.average_checkpoints([first, ckpt.last_checkpoint(tmp_path / "b")], tmp_path / "bad")
+
+
+def test_max_epochs_ends_with_a_validated_checkpoint(cache_dir, tmp_path):
+    cfg = tiny_config(
+        cache_dir,
+        **{"train.max_epochs": 1, "train.max_updates": 1000, "train.valid_every": 1000, "train.max_tokens": 8192},
+    )
+    result = train(cfg, tmp_path / "run")
+    assert result.stopped_by == "max_epochs" and 5 < result.update < 20
+    assert ckpt.last_checkpoint(tmp_path / "run").name == f"update_{result.update:08d}"
+    assert json.loads((ckpt.checkpoint_dir(tmp_path / "run") / "best.json").read_text())["update"] == result.update
