@@ -126,11 +126,15 @@ def beam_search(
         log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
         if no_repeat_ngram > 0:
             _ban_repeated_ngrams(log_probs, history, no_repeat_ngram)
-        V = log_probs.shape[-1]
         # (3) Add to the running scores; best 2k candidates over beam x vocabulary, so k stay live after EOS ones.
-        candidates = (scores.view(n, k, 1) + log_probs.view(n, k, V)).view(n, k * V)
-        top_scores, top_ids = candidates.topk(min(2 * k, k * V), dim=1)  # (n, 2k)
-        top_beams, top_tokens = top_ids // V, top_ids % V
+        # The best 2k of a sentence are among the best 2k of each of its beams: two small top-k's instead of one over
+        # k x V entries (a tenth of the step's time at beam 5 with an 8k vocabulary on CPU).
+        c = min(2 * k, log_probs.shape[-1])
+        row_scores, row_tokens = log_probs.topk(c, dim=1)  # (n*k, c)
+        candidates = (scores.view(n, k, 1) + row_scores.view(n, k, c)).view(n, k * c)
+        top_scores, top_ids = candidates.topk(c, dim=1)  # (n, c)
+        top_beams = top_ids // c
+        top_tokens = row_tokens.view(n, k * c).gather(1, top_ids)
         is_eos = (top_tokens == EOS) & torch.isfinite(top_scores)
         # (4) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
         penalty = length_penalty(step + 1, lenpen)

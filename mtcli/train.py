@@ -184,7 +184,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     # Per update, kept until the next log line so the loss costs no extra host sync: (n, loss sum, lr, gnorm, target
     # tokens, wall-clock time at its end).
     pending: list[tuple[int, torch.Tensor, float, float, int, float]] = []
-    window = {"tokens": 0, "real": 0, "padded": 0, "start": time.time(), "first_update": state.update}
+    window = {"tokens": 0, "real": 0, "padded": 0, "start": time.time(), "first_update": state.update, "loss": None}
     stopped_by, saved_at, groups, groups_epoch = "max_updates", state.update, [], None
     try:
         # For each update: the next `accum` batches of this rank's shard; forward/backward each (gradients all-reduced
@@ -295,9 +295,10 @@ def show_progress(progress: Progress, window: dict, state: TrainState, tc: Train
     elapsed = time.time() - window["start"]
     done = state.update - window["first_update"]
     eta = elapsed / done * (tc.max_updates - state.update) if done else None
+    loss = f"loss {window['loss']:.3f} | " if window["loss"] is not None else ""  # as of the last log line
     progress.update(
         state.update,
-        f"update {state.update}/{tc.max_updates} | epoch {state.epoch + 1} | lr {lr:.2e} | "
+        f"update {state.update}/{tc.max_updates} | epoch {state.epoch + 1} | {loss}lr {lr:.2e} | "
         f"{window['tokens'] / max(elapsed, 1e-9):,.0f} tok/s",
         eta,
     )
@@ -434,7 +435,9 @@ def flush_metrics(pending, window, state, tc, d, tb, metrics_file, progress, qui
                 f"ETA {format_duration(eta)}"
             )
     pending.clear()
-    window.update(tokens=0, real=0, padded=0, start=time.time(), first_update=last_update)
+    window.update(
+        tokens=0, real=0, padded=0, start=time.time(), first_update=last_update, loss=sum(losses) / len(losses)
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------
