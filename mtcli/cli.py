@@ -20,7 +20,7 @@ app = typer.Typer(
     help="Train, run and score Transformer machine-translation models from one config file.",
 )
 data_app = typer.Typer(no_args_is_help=True, help="Prepare corpora: download, SentencePiece, encode, cache.")
-app.add_typer(data_app, name="data", help="Prepare a corpus: download, fit SentencePiece, encode and cache it.")
+app.add_typer(data_app, name="data", help="Prepare a corpus: fetch, fit SentencePiece, encode, cache.")
 
 ConfigOpt = typer.Option(
     ...,
@@ -32,7 +32,7 @@ ConfigOpt = typer.Option(
 SetOpt = typer.Option(None, "--set", help="Override a config key, e.g. --set train.lr=5e-4 (repeatable).")
 
 
-@data_app.command("prepare")
+@data_app.command("prepare", short_help="Fetch, clean, fit SentencePiece, encode and cache every split.")
 def data_prepare(
     config: str = ConfigOpt,
     overrides: list[str] = SetOpt,
@@ -56,7 +56,7 @@ def data_prepare(
     )
 
 
-@app.command()
+@app.command(short_help="Train a model from a config (prepares the data first).")
 def train(
     config: str = ConfigOpt,
     overrides: list[str] = SetOpt,
@@ -80,7 +80,7 @@ def train(
         raise typer.Exit(130 if result.stopped_by == "SIGINT" else 143)
 
 
-@app.command()
+@app.command(short_help="Translate sentences, a file or stdin.")
 def translate(
     text: list[str] = typer.Argument(None, help="Sentences to translate; `-` or none with a pipe reads stdin."),
     run: Path = typer.Option(None, "--run", help="Run directory (default: the latest run under ./runs)."),
@@ -151,7 +151,7 @@ def translate(
             out.close()
 
 
-@app.command("eval")
+@app.command("eval", short_help="Score a split or files: sacreBLEU and chrF with signatures.")
 def evaluate(
     run: Path = typer.Option(None, "--run", help="Run directory (default: the latest run under ./runs)."),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="A checkpoint folder (default: the run's best)."),
@@ -204,7 +204,7 @@ def evaluate(
         print(f"check: {result['command']}")
 
 
-@app.command()
+@app.command(short_help="Average a run's last N checkpoints into a new one.")
 def average(
     run: Path = typer.Option(..., "--run", help="Run directory."),
     last: int = typer.Option(5, "--last", help="Average the last N numbered checkpoints."),
