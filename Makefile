@@ -30,7 +30,7 @@ smoke: install
 	$(BIN)/mtcli train --config toy.yaml --run-dir runs/smoke
 	$(BIN)/mtcli eval --run runs/smoke --json > runs/smoke/test.json
 	@$(BIN)/python -c "import json, sys; r = json.load(open('runs/smoke/test.json')); \
-	print(f\"smoke: toy test BLEU {r['bleu']} chrF {r['chrf']} ({r['signature']})\"); \
+	print(f\"smoke: toy test BLEU {r['bleu']:.2f} chrF {r['chrf']:.2f} ({r['signature']})\"); \
 	sys.exit(0 if r['bleu'] >= 80 else 'smoke: FAILED: toy test BLEU under 80')"
 	@out=$$($(BIN)/mtcli translate --run runs/smoke "I love apples"); echo "smoke: I love apples -> $$out"; \
 	test "$$out" = "我喜欢苹果" || { echo "smoke: FAILED: expected 我喜欢苹果"; exit 1; }
