@@ -514,7 +514,8 @@ def validate_and_save(model, data, cfg, run_dir, state, optimizer, scaler, d, tb
     else:
         save(model, data, cfg, run_dir, state, optimizer, scaler, d)  # joins the RNG gather
     if d.world > 1:
-        dist.broadcast(decision.to(_comm_device()), src=0)
+        decision = decision.to(_comm_device())  # NCCL needs a GPU tensor; broadcast fills it in place
+        dist.broadcast(decision, src=0)
         best = torch.tensor(
             [state.best_score if state.best_score is not None else float("nan"), state.bad_validations],
             dtype=torch.float64,
