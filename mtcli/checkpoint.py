@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model as save_safetensors
 
@@ -125,8 +125,11 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
 
 def read_metadata(path: Path) -> dict[str, str]:
     model_file = _model_file(path)
-    with safe_open(str(model_file), framework="pt") as f:
-        return f.metadata() or {}
+    try:
+        with safe_open(str(model_file), framework="pt") as f:
+            return f.metadata() or {}
+    except (OSError, SafetensorError) as e:
+        raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
 
 
 def build_model(meta: dict[str, str]) -> tuple[Transformer, Config]:
@@ -144,14 +147,17 @@ def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transfor
         meta = read_metadata(model_file)
         model, config = build_model(meta)
         missing, unexpected = load_safetensors_into(model, str(model_file), strict=False)
-    except (OSError, KeyError, ValueError, RuntimeError) as e:
+    except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
     if unexpected or [m for m in missing if not m.startswith("sinusoids")]:
         raise MtcliError(
             f"{model_file}: weights do not match the model its config describes "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
-    tokenizer = Tokenizer.from_folder(model_file.parent)
+    try:
+        tokenizer = Tokenizer.from_folder(model_file.parent)
+    except (OSError, RuntimeError) as e:
+        raise MtcliError(f"{model_file.parent}: no usable SentencePiece model next to the checkpoint ({e})") from None
     return model.to(device).eval(), config, tokenizer
 
 

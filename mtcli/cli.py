@@ -110,33 +110,37 @@ def translate(
         raise MtcliError("nothing to translate: give sentences, --input FILE, or pipe text into stdin")
     if input_file is not None and not input_file.is_file():
         raise MtcliError(f"--input {input_file}: no such file")
-    translator = Translator.load(resolve_checkpoint(run, checkpoint), device)
-    decode = decode_settings(
-        translator.config,
-        beam=beam,
-        nbest=nbest,
-        lenpen=lenpen,
-        max_len_a=max_len_a,
-        max_len_b=max_len_b,
-        sampling=sampling,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        batch_tokens=batch_tokens,
-    )
-    out = open(output_file, "w", encoding="utf-8") if output_file else sys.stdout
-    counter = [0]
-
-    def emit(results):
-        for hyps in results:
-            if decode.nbest > 1:
-                out.writelines(f"{counter[0]} ||| {h.text} ||| {h.score:.4f}\n" for h in hyps)
-            else:
-                out.write(hyps[0].text + "\n")
-            counter[0] += 1
-        out.flush()
-
     try:
+        out = open(output_file, "w", encoding="utf-8") if output_file else sys.stdout
+    except OSError as e:
+        raise MtcliError(f"--output {output_file}: cannot write ({e.strerror})") from None
+    try:
+        translator = Translator.load(resolve_checkpoint(run, checkpoint), device)
+        decode = decode_settings(
+            translator.config,
+            beam=beam,
+            nbest=nbest,
+            lenpen=lenpen,
+            max_len_a=max_len_a,
+            max_len_b=max_len_b,
+            sampling=sampling,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            batch_tokens=batch_tokens,
+        )
+        counter = 0
+
+        def emit(results):
+            nonlocal counter
+            for hyps in results:
+                if decode.nbest > 1:
+                    out.writelines(f"{counter} ||| {h.text} ||| {h.score:.4f}\n" for h in hyps)
+                else:
+                    out.write(hyps[0].text + "\n")
+                counter += 1
+            out.flush()
+
         if stdin:
             for chunk in _stdin_chunks():
                 emit(translator.translate(chunk, decode))
@@ -242,8 +246,9 @@ def _read_lines(path: Path) -> list[str]:
     from mtcli.corpus import check_utf8
 
     check_utf8(path)
-    # Only "\n" ends a line (str.splitlines would also split on form feeds and U+2028, breaking alignment).
-    with open(path, encoding="utf-8", newline="") as f:
+    # Only "\n" ends a line: universal newlines would split at a lone "\r", str.splitlines at form feeds and U+2028,
+    # and either would shift every later line against its reference or output.
+    with open(path, encoding="utf-8", newline="\n") as f:
         return [line.rstrip("\n").removesuffix("\r") for line in f]
 
 
@@ -252,26 +257,52 @@ def _stdin_chunks(max_lines: int = 256):
     lines: queue.Queue = queue.Queue(maxsize=4 * max_lines)
 
     def reader():
-        for line in sys.stdin:
-            lines.put(line.rstrip("\n"))
+        try:
+            for number, raw in enumerate(sys.stdin.buffer, start=1):
+                try:
+                    lines.put(raw.decode("utf-8").rstrip("\n").removesuffix("\r"))
+                except UnicodeDecodeError as e:
+                    lines.put(
+                        MtcliError(
+                            f"stdin line {number}: not valid UTF-8 ({e.reason}); convert the input to "
+                            "UTF-8, e.g. with iconv"
+                        )
+                    )
+                    return
+        except OSError as e:
+            lines.put(MtcliError(f"reading stdin failed: {e}"))
+            return
         lines.put(None)
 
     threading.Thread(target=reader, daemon=True).start()
+    chunk: list[str] = []
     while True:
-        first = lines.get()
-        if first is None:
-            return
-        chunk = [first]
-        while len(chunk) < max_lines:
-            try:
-                line = lines.get_nowait()
-            except queue.Empty:
-                break
-            if line is None:
+        item = lines.get() if not chunk else _get_nowait(lines)
+        if isinstance(item, MtcliError):
+            if chunk:
+                yield chunk  # translate what came before the bad line, then stop
+            raise item
+        if item is None or item is _EMPTY:
+            if chunk:
                 yield chunk
+                chunk = []
+            if item is None:
                 return
-            chunk.append(line)
-        yield chunk
+            continue
+        chunk.append(item)
+        if len(chunk) == max_lines:
+            yield chunk
+            chunk = []
+
+
+_EMPTY = object()
+
+
+def _get_nowait(q: queue.Queue):
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return _EMPTY
 
 
 class _LineProgress:

@@ -19,6 +19,8 @@ def resolve_device(name: str = "auto") -> torch.device:
         raise MtcliError(f"unknown device `{name}` (use auto, cpu, cuda or cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise MtcliError(f"device `{name}` asked for, but CUDA is not available here; use cpu")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise MtcliError(f"device `{name}`: this machine has {torch.cuda.device_count()} GPU(s), numbered from 0")
     return device
 
 

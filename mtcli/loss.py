@@ -23,10 +23,18 @@ CHUNK_ROWS = 1024
 
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, eps: float, needs_grad: bool):
-        """hidden: (N, d), weight: (V, d), labels: (N,). Returns the summed loss (fp32 scalar)."""
+    def forward(ctx, hidden, weight, labels, eps: float, needs_grad: bool, dtype: torch.dtype):
+        """hidden: (N, d), weight: (V, d), labels: (N,). The matrix products run in `dtype` (the autocast dtype, or
+        the inputs' own); softmax, loss and the output-matrix gradient are accumulated in fp32. Returns the summed
+        loss (fp32 scalar)."""
+        with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly below
+            return _FusedProjectionCrossEntropy._forward(ctx, hidden, weight, labels, eps, needs_grad, dtype)
+
+    @staticmethod
+    def _forward(ctx, hidden, weight, labels, eps, needs_grad, dtype):
         N, V = hidden.shape[0], weight.shape[0]
-        w = weight.to(hidden.dtype)  # bf16/fp16 under autocast, else the weight itself
+        hidden_dtype, hidden = hidden.dtype, hidden.to(dtype)
+        w = weight.to(dtype)
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
@@ -66,6 +74,8 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
                 grad_weight.add_((p.t() @ h).float())
             grad_weight.index_add_(0, y, h.float(), alpha=-(1 - eps))
             grad_weight.sub_(h.sum(dim=0, dtype=torch.float32), alpha=eps / V)  # broadcast over every row
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden_dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -74,7 +84,8 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_output.float()
-        return grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None, None
+        grads = grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype)
+        return *grads, None, None, None, None
 
 
 def projection_cross_entropy(
@@ -82,7 +93,9 @@ def projection_cross_entropy(
 ) -> torch.Tensor:
     """Summed label-smoothed cross-entropy of `hidden @ weight.T` against `labels`, without materialising logits."""
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _FusedProjectionCrossEntropy.apply(hidden, weight, labels, label_smoothing, needs_grad)
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return _FusedProjectionCrossEntropy.apply(hidden, weight, labels, label_smoothing, needs_grad, dtype)
 
 
 class LossModel(nn.Module):

@@ -70,7 +70,10 @@ class Dist:
     @classmethod
     def from_env(cls, device_name: str) -> tuple[Dist, torch.device]:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            return cls(), resolve_device(device_name)
+            device = resolve_device(device_name)
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)  # so RNG state saved and restored is this GPU's
+            return cls(), device
         d = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
         device = resolve_device(device_name)
         if device.type == "cuda":
@@ -159,6 +162,8 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     accum = accumulation_steps(train_split, usable, cfg, d.world)
     if resume:
         state = restore(run_dir, model, optimizer, scaler, cfg, d, accum)
+    if d.main:  # only now: a refused --resume must leave the run's own config in place
+        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
     # Each rank draws its own dropout masks; restore() put back the saved streams instead when resuming.
     if not resume:
         torch.manual_seed(tc.seed * 1000 + d.rank)
@@ -195,6 +200,11 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
                 break
             if groups_epoch != state.epoch:
                 groups, groups_epoch = epoch_groups(train_split, usable, cfg, state.epoch, accum, d), state.epoch
+                if not groups:
+                    raise MtcliError(
+                        f"the training split makes fewer batches than the {d.world} processes; lower "
+                        "train.max_tokens or use fewer processes"
+                    )
             if state.group >= len(groups):
                 state.epoch, state.group = state.epoch + 1, 0
                 continue
@@ -320,7 +330,6 @@ def setup_run_dir(run_dir: Path, cfg: Config, resume: bool, d: Dist) -> None:
     if d.main:
         run_dir.mkdir(parents=True, exist_ok=True)
         ckpt.remove_temporary(run_dir)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
     setup_logging(run_dir / "train.log" if d.main else None, quiet=not d.main)
 
 
@@ -564,9 +573,12 @@ def restore(run_dir, model, optimizer, scaler, cfg: Config, d: Dist, accum: int)
     path = ckpt.last_checkpoint(run_dir)
     meta = ckpt.read_metadata(path)
     saved = json.loads(meta["config"])
+    saved["data"].pop("cache_dir", None)  # where the cache lives does not change what is in it
+    current = cfg.to_dict()
+    current["data"].pop("cache_dir", None)
     for section in ("model", "data"):
-        if saved[section] != cfg.to_dict()[section]:
-            diff = [f"{section}.{k}" for k in saved[section] if saved[section][k] != cfg.to_dict()[section].get(k)]
+        if saved[section] != current[section]:
+            diff = [f"{section}.{k}" for k in saved[section] if saved[section][k] != current[section].get(k)]
             raise MtcliError(
                 f"--resume: {run_dir} was trained with different {section} settings ({', '.join(diff)}); "
                 f"resume with the run's own config: --config {run_dir / 'config.yaml'}"
@@ -576,7 +588,12 @@ def restore(run_dir, model, optimizer, scaler, cfg: Config, d: Dist, accum: int)
     load_weights(model, str(path / "model.safetensors"), strict=False)
     payload = ckpt.load_state(path)
     optimizer.load_state_dict(payload["optimizer"])
-    scaler.load_state_dict(payload["scaler"])
+    if scaler.is_enabled() and payload["scaler"]:
+        scaler.load_state_dict(payload["scaler"])
+    elif scaler.is_enabled() or payload["scaler"]:
+        logger.warning(
+            "note: the run's precision changed (fp16 loss scaling on one side only); the loss scale starts afresh"
+        )
     if payload["world_size"] == d.world:
         rng = payload["rng"][d.rank]
         torch.set_rng_state(rng["torch"])

@@ -70,6 +70,7 @@ class Translator:
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         self.warn = warn
         self.max_src_tokens = config.model.max_positions - 1  # room for EOS
+        self.generator: torch.Generator | None = None
 
     @classmethod
     def load(cls, checkpoint: Path, device: str = "auto", **kwargs) -> Translator:
@@ -123,7 +124,9 @@ class Translator:
         )
         model = self.model
         if decode.sampling:
-            generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
+            if self.generator is None:  # one stream for the whole session: a line's sample must not depend on batching
+                self.generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
+            generator = self.generator
             hyps = [
                 [h]
                 for h in sample(
@@ -138,7 +141,7 @@ class Translator:
                     generator,
                 )
             ]
-        elif decode.beam == 1:
+        elif decode.beam == 1 and not decode.no_repeat_ngram:  # beam 1 is greedy; the n-gram ban lives in beam search
             hyps = [[h] for h in greedy_search(model, src, src_pad_mask, max_lens, decode.min_len)]
         else:
             hyps = beam_search(

@@ -146,3 +146,40 @@ def test_average_last_checkpoints(toy_run, tmp_path):
     assert invoke("translate", "--checkpoint", out, "I love apples").stdout.strip()
     result = runner.invoke(app, ["average", "--run", str(toy_run), "--last", "99"])
     assert result.exit_code != 0
+
+
+@pytest.mark.slow
+def test_translate_input_edge_cases(toy_run, tmp_path):
+    # A lone carriage return stays inside its line: two lines in, two lines out.
+    source = tmp_path / "cr.en"
+    source.write_bytes(b"I love apples\rreally\nDo you like tea?\n")
+    out = tmp_path / "cr.zh"
+    invoke("translate", "--run", toy_run, "--input", source, "--output", out)
+    assert len(out.read_text(encoding="utf-8").split("\n")) == 3
+    # An output path that cannot be written, and bytes on stdin that are not UTF-8: one line each, status 2.
+    base = [sys.executable, "-m", "mtcli", "translate", "--run", str(toy_run)]
+    bad_out = subprocess.run(
+        base + ["--output", str(tmp_path / "missing" / "out.zh"), "I love apples"], capture_output=True, text=True
+    )
+    assert (
+        bad_out.returncode == 2 and bad_out.stderr.startswith("error: --output") and "Traceback" not in bad_out.stderr
+    )
+    bad_in = subprocess.run(base, input=b"I love apples\n\xff\xfe oops\n", capture_output=True, timeout=120)
+    assert bad_in.returncode == 2, bad_in.stderr
+    assert bad_in.stdout.decode() == "我喜欢苹果\n"  # what came before the bad line is translated
+    assert b"stdin line 2: not valid UTF-8" in bad_in.stderr and b"Traceback" not in bad_in.stderr
+
+
+@pytest.mark.slow
+def test_no_repeat_ngram_applies_to_beam_one(toy_run):
+    from dataclasses import replace
+
+    from mtcli.data import eval_texts
+    from mtcli.translate import Translator
+
+    translator = Translator.load(best_checkpoint(toy_run), "cpu")
+    sources, _ = eval_texts(translator.config, "test")
+    greedy = replace(translator.config.decode, beam=1, nbest=1)
+    repeats = lambda hyps: sum(len(set(h[0].tokens)) < len(h[0].tokens) for h in hyps)  # noqa: E731
+    assert repeats(translator.translate(sources, greedy)) > 0  # the toy outputs do repeat subwords (妈妈)
+    assert repeats(translator.translate(sources, replace(greedy, no_repeat_ngram=1))) == 0

@@ -171,6 +171,26 @@ def test_training_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(cache
     other = tiny_config(cache_dir, **{"model.d_ff": 128, "train.max_updates": 2})
     with pytest.raises(MtcliError, match="model.d_ff"):
         train(other, tmp_path / "run", resume=True)
+    # The refused resume left the run's own config, which the message tells the user to resume with.
+    own = load_config(tmp_path / "run" / "config.yaml", ["train.max_updates=2"])
+    assert own.model.d_ff == 64
+    moved = tmp_path / "moved-cache"
+    cache_dir.rename(moved)  # where the data cache lives is not part of what a resume must match
+    try:
+        assert train(own.replace(**{"data.cache_dir": str(moved)}), tmp_path / "run", resume=True).update == 2
+    finally:
+        moved.rename(cache_dir)
+
+
+def test_a_corrupt_checkpoint_is_a_one_line_error(cache_dir, tmp_path):
+    train(tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1}), tmp_path / "run")
+    model_file = ckpt.last_checkpoint(tmp_path / "run") / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[:1000])  # truncated
+    with pytest.raises(MtcliError, match="not a"):
+        ckpt.load_model(model_file.parent)
+    model_file.write_bytes(b"garbage")
+    with pytest.raises(MtcliError, match="not a"):
+        ckpt.load_model(model_file.parent)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
