@@ -140,12 +140,10 @@ def build_model(meta: dict[str, str]) -> tuple[Transformer, Config]:
     return model, config
 
 
-def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transformer, Config, Tokenizer]:
-    """A checkpoint folder (or its model.safetensors) -> model in eval mode, its config and its tokenizer."""
+def load_weights(model: Transformer, path: Path) -> None:
+    """Load a checkpoint's weights into `model` in place; a file that does not fit it is a one-line error."""
     model_file = _model_file(path)
     try:
-        meta = read_metadata(model_file)
-        model, config = build_model(meta)
         missing, unexpected = load_safetensors_into(model, str(model_file), strict=False)
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
@@ -154,6 +152,16 @@ def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transfor
             f"{model_file}: weights do not match the model its config describes "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+
+
+def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transformer, Config, Tokenizer]:
+    """A checkpoint folder (or its model.safetensors) -> model in eval mode, its config and its tokenizer."""
+    model_file = _model_file(path)
+    try:
+        model, config = build_model(read_metadata(model_file))
+    except (KeyError, ValueError) as e:
+        raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
+    load_weights(model, model_file)
     try:
         tokenizer = Tokenizer.from_folder(model_file.parent)
     except (OSError, RuntimeError) as e:

@@ -190,7 +190,7 @@ def evaluate(
     else:
         role = split or "test"
         sources, references = eval_texts(cfg, role)
-        stem = f"{role}"
+        stem = role
     decode = decode_settings(cfg, beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, nbest=1, sampling=False)
     run_dir = ckpt_path.parent.parent if ckpt_path.parent.name == "checkpoints" else ckpt_path.parent
     bar = _LineProgress(len(sources))
@@ -202,7 +202,7 @@ def evaluate(
     if as_json:
         print(json.dumps(result, indent=1, ensure_ascii=False))
     else:
-        print(result["bleu_detail"].replace("BLEU =", "BLEU =", 1) + f"  [{result['signature']}]")
+        print(f"{result['bleu_detail']}  [{result['signature']}]")
         print(f"chrF2 = {result['chrf']:.2f}  [{result['chrf_signature']}]")
         print(f"hypotheses: {result['hypotheses']}\nreferences: {result['references']}")
         print(f"check: {result['command']}")

@@ -98,6 +98,12 @@ def projection_cross_entropy(
     return _FusedProjectionCrossEntropy.apply(hidden, weight, labels, label_smoothing, needs_grad, dtype)
 
 
+def target_states(model: Transformer, src, src_pad_mask, tgt_in, tgt_index) -> torch.Tensor:
+    """Decoder outputs at the real target positions only, (N, d): padding never reaches the vocabulary."""
+    hidden = model.decode_hidden(tgt_in, model.encode(src, src_pad_mask), src_pad_mask)  # (B, T, d)
+    return hidden.flatten(0, 1).index_select(0, tgt_index)
+
+
 class LossModel(nn.Module):
     """The model plus its loss in one forward, so DDP and torch.compile see a single module call."""
 
@@ -106,7 +112,5 @@ class LossModel(nn.Module):
         self.model, self.label_smoothing = model, label_smoothing
 
     def forward(self, src, src_pad_mask, tgt_in, tgt_index, labels) -> torch.Tensor:
-        memory = self.model.encode(src, src_pad_mask)
-        hidden = self.model.decode_hidden(tgt_in, memory, src_pad_mask)  # (B, T, d)
-        real = hidden.flatten(0, 1).index_select(0, tgt_index)  # (N, d): padding never reaches the vocabulary
+        real = target_states(self.model, src, src_pad_mask, tgt_in, tgt_index)
         return projection_cross_entropy(real, self.model.output.weight, labels, self.label_smoothing)

@@ -27,12 +27,12 @@ from torch import nn
 
 from mtcli import checkpoint as ckpt
 from mtcli.config import Config, TrainConfig
-from mtcli.data import PreparedData, batch_indices, cache_folder, collate, padding_efficiency, prepare
+from mtcli.data import PreparedData, batch_indices, cache_folder, collate, prepare
 from mtcli.device import choose_precision, keep_freed_memory, resolve_device
 from mtcli.errors import MtcliError
 from mtcli.evaluate import score
 from mtcli.log import Progress, TensorBoard, format_duration, logger, setup_logging
-from mtcli.loss import LossModel, projection_cross_entropy
+from mtcli.loss import LossModel, projection_cross_entropy, target_states
 from mtcli.model import Transformer
 from mtcli.translate import Translator
 
@@ -148,8 +148,8 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
         logger.warning("warning: bf16 on a CPU without bf16 units can be ~100x slower than fp32 (train.precision)")
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=tc.lr,
@@ -161,7 +161,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     state = TrainState()
     accum = accumulation_steps(train_split, usable, cfg, d.world)
     if resume:
-        state = restore(run_dir, model, optimizer, scaler, cfg, d, accum)
+        state = restore(run_dir, model, optimizer, scaler, cfg, d)
     if d.main:  # only now: a refused --resume must leave the run's own config in place
         (run_dir / "config.yaml").write_text(cfg.to_yaml(), encoding="utf-8")
     # Each rank draws its own dropout masks; restore() put back the saved streams instead when resuming.
@@ -369,16 +369,11 @@ def epoch_groups(split, usable: np.ndarray, cfg: Config, epoch: int, accum: int,
     groups = []
     for start in range(0, len(batches), per_update):
         chunk = batches[start : start + per_update]
-        eff = padding_efficiency(chunk, split.src_lens, split.tgt_lens)
-        real = sum(int(split.src_lens[b].sum() + split.tgt_lens[b].sum()) for b in chunk)
-        groups.append(
-            (
-                chunk[d.rank :: d.world],
-                int(sum(split.tgt_lens[b].sum() for b in chunk)),
-                real,
-                real / max(eff["all"], 1e-9),
-            )
-        )
+        src, tgt = [split.src_lens[b] for b in chunk], [split.tgt_lens[b] for b in chunk]
+        tgt_tokens = sum(int(t.sum()) for t in tgt)
+        real = sum(int(s.sum()) for s in src) + tgt_tokens
+        padded = sum(len(s) * int(s.max()) + len(t) * int(t.max()) for s, t in zip(src, tgt))
+        groups.append((chunk[d.rank :: d.world], tgt_tokens, real, padded))
     return groups
 
 
@@ -461,8 +456,7 @@ def validation_loss(model: Transformer, data: PreparedData, cfg: Config, device,
     for indices in batch_indices(split.src_lens, split.tgt_lens, cfg.train.max_tokens, 0, 0, shuffle=False):
         batch = collate(split, indices, max_len=cfg.model.max_positions).to(device)
         with autocast:
-            hidden = model.decode_hidden(batch.tgt_in, model.encode(batch.src, batch.src_pad_mask), batch.src_pad_mask)
-            real = hidden.flatten(0, 1).index_select(0, batch.tgt_index)
+            real = target_states(model, batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index)
             nll_sum += float(projection_cross_entropy(real, model.output.weight, batch.labels, 0.0))
             smoothed_sum += float(
                 projection_cross_entropy(real, model.output.weight, batch.labels, cfg.train.label_smoothing)
@@ -569,7 +563,7 @@ def save(model, data, cfg, run_dir, state: TrainState, optimizer, scaler, d: Dis
     return ckpt.save_checkpoint(run_dir, state.update, model, cfg, data.tokenizer, payload)
 
 
-def restore(run_dir, model, optimizer, scaler, cfg: Config, d: Dist, accum: int) -> TrainState:
+def restore(run_dir, model, optimizer, scaler, cfg: Config, d: Dist) -> TrainState:
     path = ckpt.last_checkpoint(run_dir)
     meta = ckpt.read_metadata(path)
     saved = json.loads(meta["config"])
@@ -583,9 +577,7 @@ def restore(run_dir, model, optimizer, scaler, cfg: Config, d: Dist, accum: int)
                 f"--resume: {run_dir} was trained with different {section} settings ({', '.join(diff)}); "
                 f"resume with the run's own config: --config {run_dir / 'config.yaml'}"
             )
-    from safetensors.torch import load_model as load_weights
-
-    load_weights(model, str(path / "model.safetensors"), strict=False)
+    ckpt.load_weights(model, path)
     payload = ckpt.load_state(path)
     optimizer.load_state_dict(payload["optimizer"])
     if scaler.is_enabled() and payload["scaler"]:
