@@ -18,10 +18,11 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 test: install
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q --durations=10 $(PYTEST_ARGS)
 
+# Under ~30 s: no model training, no shared corpora, no subprocesses (those tests are marked slow).
 test-fast: install
-	$(BIN)/pytest -q -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -m "not slow" --durations=5 $(PYTEST_ARGS)
 
 # The toy model end to end: train (~1 min on 2 cores), score the test split, translate one sentence; fails loudly if
 # test BLEU is under 80 (a broken mask, shift or search lands far below) or the translation is not the expected one.

@@ -30,9 +30,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from flops import FORMULA, training_flops  # noqa: E402
 
+from mtcli.batching import epoch_batches, padding_counts  # noqa: E402
 from mtcli.checkpoint import last_checkpoint  # noqa: E402
 from mtcli.config import load_config  # noqa: E402
-from mtcli.data import batch_indices, eval_texts, padding_efficiency, prepare  # noqa: E402
+from mtcli.data import eval_texts, prepare  # noqa: E402
+from mtcli.device import keep_freed_memory  # noqa: E402
 from mtcli.evaluate import score  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
 
@@ -90,20 +92,20 @@ def bench_training(cfg, data, peak: float) -> dict:
     # The same batches the run consumed (one process, one micro-batch per update, epoch 0 of the seed).
     split = data.split("train")
     tc = cfg.train
-    batches = batch_indices(split.src_lens, split.tgt_lens, tc.max_tokens, tc.seed, 0)
+    batches = epoch_batches(split.src_lens, split.tgt_lens, tc.max_tokens, tc.seed, 0)
     used = batches[WARMUP_UPDATES : WARMUP_UPDATES + TIMED_UPDATES]
     assert sum(int(split.tgt_lens[b].sum()) for b in used) == tokens, "batches differ from the run's"
     flops = sum(
         training_flops(split.src_lens[b], split.tgt_lens[b], cfg.model, data.tokenizer.tgt_vocab_size) for b in used
     )
-    eff = padding_efficiency(used, split.src_lens, split.tgt_lens)
+    src_pad, tgt_pad = padding_counts(used, split.src_lens), padding_counts(used, split.tgt_lens)
     return {
         "train_tgt_tok_per_s": tokens / wall,
         "train_wall_s": wall,
         "train_updates_timed": len(timed),
         "train_tgt_tokens_per_batch": tokens / len(timed),
-        "train_padding_efficiency": eff["all"],
-        "train_padding_efficiency_tgt": eff["tgt"],
+        "train_padding_efficiency": (src_pad + tgt_pad).efficiency,
+        "train_padding_efficiency_tgt": tgt_pad.efficiency,
         "train_flops_per_tgt_token": flops / tokens,
         "train_model_gflops": flops / wall / 1e9,
         "train_mfu": flops / wall / 1e9 / peak,
@@ -122,7 +124,7 @@ def decode_model() -> Path:
 
 
 def bench_decoding(cfg) -> dict:
-    translator = Translator.load(decode_model(), device="cpu")
+    translator = Translator.from_checkpoint(decode_model(), device="cpu")
     sources, references = eval_texts(cfg, "test")
     results = {}
     for name, beam in (("greedy", 1), ("beam5", 5)):
@@ -137,7 +139,7 @@ def bench_decoding(cfg) -> dict:
         )
         translator.translate(sources[:64], decode)  # warm-up
         start = time.perf_counter()
-        hyps = translator.translate(sources, decode)
+        hyps = translator.translate_nbest(sources, decode)
         wall = time.perf_counter() - start
         tokens = sum(len(h[0].tokens) + 1 for h in hyps)  # with EOS
         texts = [h[0].text for h in hyps]
@@ -162,7 +164,8 @@ def main() -> None:
         sys.exit("bench: ../shared/data/multi30k not found (the benchmark runs on the shared Multi30k copy)")
     cfg = load_config(CONFIG)
     torch.set_num_threads(cfg.train.threads)
-    data = prepare(cfg, log=lambda *_: None)
+    keep_freed_memory()  # as the mtcli command does
+    data = prepare(cfg)
     results = {"machine": machine(), "config": str(CONFIG.relative_to(ROOT)), "command": "make bench"}
     peak = gemm_peak_gflops()
     results["gemm_peak_gflops"] = peak

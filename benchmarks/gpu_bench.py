@@ -3,8 +3,9 @@ and beam-4 decoding speed. Run through benchmarks/gpu.sh (one call of under 8 mi
 the same logic with a tiny model on any device, e.g. a CPU, to check the script itself.
 
 Batches are synthetic: sentence lengths drawn from a log-normal fitted by eye to WMT14 en-de subword lengths
-(median ~25), random token ids, cut into token-budget batches of ~25k target tokens as `mtcli train` cuts them. The
-training step is mtcli's own: LossModel (fused projection + label-smoothed loss), fused AdamW, autocast.
+(median ~25), random token ids, cut into token-budget batches of ~25k target tokens by mtcli's own batcher and
+collate. The training step is mtcli's own `train_step` on a `Trainer` built as `mtcli train` builds it (fused
+projection + label-smoothed loss, fused AdamW, autocast).
 """
 
 from __future__ import annotations
@@ -24,12 +25,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from flops import FORMULA, training_flops  # noqa: E402
 
-from mtcli.config import ModelConfig  # noqa: E402
-from mtcli.data import batch_indices  # noqa: E402
-from mtcli.loss import LossModel  # noqa: E402
+from mtcli.batching import collate, epoch_batches  # noqa: E402
+from mtcli.config import ModelConfig, TrainConfig  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
 from mtcli.search import beam_search, max_output_lengths  # noqa: E402
-from mtcli.tokenizer import BOS, EOS, PAD  # noqa: E402
+from mtcli.train import Trainer, train_step  # noqa: E402
 
 
 def sync(device):
@@ -53,54 +53,25 @@ def gemm_peak_tflops(device, dtype, n: int) -> float:
 
 
 def synthetic_batches(n_sentences: int, max_tokens: int, vocab: int, max_len: int, device, seed: int = 0):
+    """Token-budget batches of random ids (without specials: collate adds EOS and BOS), on the device."""
     rng = np.random.default_rng(seed)
     src_lens = np.clip(rng.lognormal(np.log(25), 0.5, n_sentences), 3, max_len).astype(np.int64)
     tgt_lens = np.clip(src_lens * rng.normal(1.05, 0.15, n_sentences), 3, max_len).astype(np.int64)
     batches = []
-    for indices in batch_indices(src_lens, tgt_lens, max_tokens, seed, 0):
+    for indices in epoch_batches(src_lens, tgt_lens, max_tokens, seed, 0):
         s, t = src_lens[indices], tgt_lens[indices]
-        B, S, T = len(indices), int(s.max()), int(t.max())
-        src = torch.full((B, S), PAD, dtype=torch.long)
-        tgt_in = torch.full((B, T), PAD, dtype=torch.long)
-        labels = []
-        index = []
-        for row, (sl, tl) in enumerate(zip(s, t)):
-            src[row, : sl - 1] = torch.randint(4, vocab, (sl - 1,))
-            src[row, sl - 1] = EOS
-            words = torch.randint(4, vocab, (tl - 1,))
-            tgt_in[row, 0], tgt_in[row, 1:tl] = BOS, words
-            labels.append(torch.cat([words, torch.tensor([EOS])]))
-            index.append(row * T + torch.arange(tl))
-        batches.append(
-            {
-                "src": src.to(device),
-                "src_pad_mask": (src == PAD).to(device),
-                "tgt_in": tgt_in.to(device),
-                "tgt_index": torch.cat(index).to(device),
-                "labels": torch.cat(labels).to(device),
-                "src_lens": s,
-                "tgt_lens": t,
-            }
-        )
+        srcs = [rng.integers(4, vocab, n - 1) for n in s]  # the lengths count EOS (source) or BOS (target)
+        tgts = [rng.integers(4, vocab, n - 1) for n in t]
+        batches.append((collate(srcs, tgts).to(device), s, t))
     return batches
 
 
 def bench_training(model, batches, device, dtype, steps: int, warmup: int, compiled: bool, peak: float) -> dict:
-    loss_model = LossModel(model, 0.1)
-    if compiled:
-        loss_model = torch.compile(loss_model, dynamic=True)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=device.type in ("cuda", "cpu")
-    )
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    tc = TrainConfig(lr=1e-4, compile=compiled, label_smoothing=0.1)
+    trainer = Trainer.build(model, tc, dtype, device)
 
     def step(batch):
-        with autocast:
-            loss = loss_model(batch["src"], batch["src_pad_mask"], batch["tgt_in"], batch["tgt_index"], batch["labels"])
-        (loss / batch["labels"].numel()).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(trainer, [batch[0]], batch[0].n_tgt_tokens, tc.lr, tc.clip_norm)
 
     start = time.perf_counter()
     for i in range(max(warmup, len(batches) if compiled else warmup)):  # compiled: see every shape before timing
@@ -114,8 +85,8 @@ def bench_training(model, batches, device, dtype, steps: int, warmup: int, compi
     for i in range(steps):
         batch = batches[i % len(batches)]
         step(batch)
-        tokens += int(batch["tgt_lens"].sum())
-        flops += training_flops(batch["src_lens"], batch["tgt_lens"], model.cfg, model.output.out_features)
+        tokens += int(batch[2].sum())
+        flops += training_flops(batch[1], batch[2], model.cfg, model.output.out_features)
     sync(device)
     wall = time.perf_counter() - start
     result = {
@@ -142,15 +113,10 @@ def bench_decoding(model, device, dtype, n_sentences: int, batch_sentences: int,
     out_tokens, start = 0, None
     for first in range(-batch_sentences, n_sentences, batch_sentences):  # the first batch is a warm-up
         rows = order[max(first, 0) : max(first, 0) + batch_sentences]
-        S = int(lens[rows].max())
-        src = torch.full((len(rows), S), PAD, dtype=torch.long)
-        for r, n in enumerate(lens[rows]):
-            src[r, : n - 1] = torch.randint(4, vocab, (n - 1,))
-            src[r, n - 1] = EOS
-        src = src.to(device)
+        batch = collate([rng.integers(4, vocab, n - 1) for n in lens[rows]]).to(device)  # lens count EOS
         max_lens = max_output_lengths(torch.as_tensor(lens[rows] - 1), 1.2, 10, model.cfg.max_positions).to(device)
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            hyps = beam_search(model, src, src == PAD, max_lens, beam_size=beam, lenpen=0.6)
+            hyps = beam_search(model, batch.src, batch.src_pad_mask, max_lens, beam_size=beam, lenpen=0.6)
         if first < 0:
             sync(device)
             start = time.perf_counter()

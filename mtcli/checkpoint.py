@@ -3,7 +3,8 @@
 A checkpoint is a folder `<run>/checkpoints/update_<N>/` holding
 - `model.safetensors`: the weights (tied matrices stored once), with the resolved config and vocabulary sizes in its
   metadata, so the file alone rebuilds the model; loading it can never run code;
-- `state.pt`: optimizer, grad scaler, RNG and data position, loadable with `torch.load(weights_only=True)`;
+- `state.pt` (training checkpoints): optimizer, grad scaler, every rank's RNG streams and the loop's position
+  (`TrainState`), loadable with `torch.load(weights_only=True)`;
 - the SentencePiece model(s), so the folder translates on its own.
 Each folder is written under a temporary name and renamed into place, so a kill at any moment leaves every earlier
 checkpoint loadable. The newest `update_*` folder is `last`; `best.json` names the best one.
@@ -13,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from safetensors.torch import save_model as save_safetensors
 
 from mtcli.config import Config, config_from_dict
 from mtcli.errors import MtcliError
+from mtcli.log import logger
 from mtcli.model import Transformer
 from mtcli.tokenizer import Tokenizer
 
@@ -33,6 +37,14 @@ CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def run_of(checkpoint: Path) -> Path:
+    """The run directory a checkpoint folder belongs to (its own folder for one outside a run's checkpoints/)."""
+    checkpoint = Path(checkpoint)
+    if checkpoint.is_file():
+        checkpoint = checkpoint.parent
+    return checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else checkpoint.parent
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -181,6 +193,21 @@ def _model_file(path: Path) -> Path:
     return model_file
 
 
+def average_last(run_dir: Path, last: int, out: Path | None = None) -> Path:
+    """Average a run's last `last` numbered checkpoints into `out` (default <run>/checkpoints/average_last<N>)."""
+    found = list_checkpoints(run_dir)
+    if last < 1:
+        raise MtcliError(f"--last {last}: average at least 1 checkpoint")
+    if len(found) < last:
+        raise MtcliError(
+            f"{run_dir} has {len(found)} checkpoint(s), fewer than --last {last}; raise train.keep_last to keep more"
+        )
+    out = Path(out) if out else checkpoint_dir(run_dir) / f"average_last{last}"
+    average_checkpoints(found[-last:], out)
+    logger.info(f"averaged {', '.join(p.name for p in found[-last:])}")
+    return out
+
+
 def average_checkpoints(paths: list[Path], out: Path) -> Path:
     """Average the weights of `paths` (as the paper does for its final models) into checkpoint folder `out`."""
     from safetensors.torch import load_file, save_file
@@ -223,3 +250,92 @@ def average_checkpoints(paths: list[Path], out: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training state: what `--resume` needs besides the weights
+
+
+@dataclass
+class TrainState:
+    """The training loop's position and bookkeeping; saved in every training checkpoint."""
+
+    update: int = 0  # optimizer steps taken
+    epoch: int = 0
+    next_in_epoch: int = 0  # index of the next update in this epoch's plan
+    best_score: float | None = None
+    bad_validations: int = 0
+    skipped: int = 0  # updates skipped in a row for a non-finite loss (not saved: a resume starts afresh)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def training_payload(state: TrainState, optimizer, scaler, rngs: list[dict]) -> dict:
+    """The `state.pt` of a training checkpoint; `rngs` holds every rank's RNG streams, in rank order."""
+    return {
+        "update": state.update,
+        "epoch": state.epoch,
+        "group": state.next_in_epoch,
+        "best_score": state.best_score,
+        "bad_validations": state.bad_validations,
+        "world_size": len(rngs),
+        "optimizer": optimizer.state_dict(),
+        "scaler": scaler.state_dict(),
+        "rng": rngs,
+    }
+
+
+def restore_training(path: Path, model, optimizer, scaler, config: Config, rank: int, world: int) -> TrainState:
+    """Load checkpoint `path` into the model, optimizer and scaler, put back this rank's RNG streams, and return the
+    loop's position. The model and data settings must be the ones the run was trained with."""
+    run_dir = path.parent.parent
+    saved = json.loads(read_metadata(path)["config"])
+    current = config.to_dict()
+    for tree in (saved, current):
+        tree["data"].pop("cache_dir", None)  # where the cache lives does not change what is in it
+    for section in ("model", "data"):
+        if saved[section] != current[section]:
+            diff = [f"{section}.{k}" for k in saved[section] if saved[section][k] != current[section].get(k)]
+            raise MtcliError(
+                f"--resume: {run_dir} was trained with different {section} settings ({', '.join(diff)}); "
+                f"resume with the run's own config: --config {run_dir / 'config.yaml'}"
+            )
+    load_weights(model, path)
+    payload = load_state(path)
+    optimizer.load_state_dict(payload["optimizer"])
+    if scaler.is_enabled() and payload["scaler"]:
+        scaler.load_state_dict(payload["scaler"])
+    elif scaler.is_enabled() or payload["scaler"]:
+        logger.warning(
+            "note: the run's precision changed (fp16 loss scaling on one side only); the loss scale starts afresh"
+        )
+    if payload["world_size"] == world:
+        rng = payload["rng"][rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(_as_tuple(rng["python"]))
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+    else:
+        logger.warning(
+            f"note: resuming with {world} processes instead of {payload['world_size']}: data order and "
+            "dropout streams differ from an uninterrupted run"
+        )
+        torch.manual_seed(config.train.seed * 1000 + rank + payload["update"])
+    logger.info(f"resumed from {path} (update {payload['update']}, epoch {payload['epoch'] + 1})")
+    return TrainState(
+        update=payload["update"],
+        epoch=payload["epoch"],
+        next_in_epoch=payload["group"],
+        best_score=payload["best_score"],
+        bad_validations=payload["bad_validations"],
+    )
+
+
+def _as_tuple(value):
+    """random.setstate needs tuples; a loaded checkpoint may hold lists."""
+    return tuple(_as_tuple(v) for v in value) if isinstance(value, list | tuple) else value

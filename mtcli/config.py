@@ -270,6 +270,23 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode")
     tree.setdefault("name", path.stem)
+    _apply_overrides(tree, overrides)
+    return config_from_dict(tree, source=str(path))
+
+
+def with_overrides(config: Config, overrides: list[str] | tuple[str, ...], sections: tuple[str, ...]) -> Config:
+    """`config` with `--set KEY=VALUE` overrides applied, each allowed only in `sections` (e.g. ("decode",) for a
+    trained model, whose architecture and data are fixed)."""
+    for item in overrides:
+        if item.partition("=")[0].strip().split(".")[0] not in sections:
+            allowed = " or ".join(f"{s}.KEY=VALUE" for s in sections)
+            raise ConfigError(f"--set {item}: this command takes only {allowed}")
+    tree = config.to_dict()
+    _apply_overrides(tree, overrides)
+    return config_from_dict(tree, source="--set")
+
+
+def _apply_overrides(tree: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> None:
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
@@ -279,7 +296,6 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         except yaml.YAMLError:
             value = text
         _set_dotted(tree, key.strip(), value)
-    return config_from_dict(tree, source=str(path))
 
 
 def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> Config:

@@ -89,8 +89,9 @@ def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
     return hub
 
 
-def open_splits(cfg: DataConfig, cache_dir: Path, log=print) -> dict[str, SplitSource]:
-    """Every split the config names that exists; a missing train split is an error, others are skipped with a note."""
+def open_splits(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None) -> dict[str, SplitSource]:
+    """Every split the config names that exists; a missing train split is an error, others are skipped with a note
+    (appended to `notes`)."""
     names = split_names(cfg)
     if cfg.path:
         found = _open_local(cfg, Path(cfg.path), names)
@@ -108,8 +109,8 @@ def open_splits(cfg: DataConfig, cache_dir: Path, log=print) -> dict[str, SplitS
             "set data.splits.train to the name of the training split"
         )
     for role, name in names.items():
-        if role not in found:
-            log(f"note: no {role} split `{name}` in {describe_source(cfg)}; skipping it")
+        if role not in found and notes is not None:
+            notes.append(f"note: no {role} split `{name}` in {describe_source(cfg)}; skipping it")
     return found
 
 
@@ -315,6 +316,17 @@ def _rows(rows):
     if isinstance(rows, range) and rows.step == 1:
         return slice(rows.start, rows.stop)
     return list(rows)
+
+
+def read_lines(path: Path) -> list[str]:
+    """A text file's lines, checked as UTF-8 first. Only "\\n" ends a line: universal newlines would split at a lone
+    "\\r", str.splitlines at form feeds and U+2028, and either would shift every later line against its reference."""
+    path = Path(path)
+    if not path.is_file():
+        raise MtcliError(f"{path}: no such file")
+    check_utf8(path)
+    with open(path, encoding="utf-8", newline="\n") as f:
+        return [line.rstrip("\n").removesuffix("\r") for line in f]
 
 
 def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:

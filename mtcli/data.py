@@ -1,9 +1,9 @@
-"""The data path: raw pairs -> SentencePiece -> cleaned, encoded, cached splits -> token-budget batches.
+"""The data path: raw pairs -> SentencePiece -> cleaned, encoded, cached splits (batches: `mtcli/batching.py`).
 
 `prepare(cfg)` builds (or finds) a cache folder keyed by everything that shapes its content; a second call with
 nothing changed returns at once. Encoded ids live in flat memory-mapped arrays (one per side, plus offsets), so a
-WMT-size corpus never has to fit in RAM. `batch_indices` groups length-sorted sentences into batches whose padded
-size stays within `max_tokens`; `collate` turns one into tensors with the shifted target and padding masks.
+WMT-size corpus never has to fit in RAM. A half-written cache has a temporary name and is never taken for a complete
+one.
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import sentencepiece
-import torch
 
 from mtcli.config import Config, DataConfig
 from mtcli.corpus import describe_source, fingerprint_hash, open_splits, source_fingerprint
 from mtcli.errors import MtcliError
-from mtcli.tokenizer import BOS, EOS, PAD, Tokenizer, character_coverage, train_sentencepiece
+from mtcli.log import logger
+from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
 EVAL_ROLES = ("valid", "test")
@@ -124,13 +124,15 @@ class PreparedData:
         return EncodedSplit(self.folder, role)
 
 
-def prepare(cfg: Config, log=print, force: bool = False) -> PreparedData:
+def prepare(cfg: Config, force: bool = False) -> PreparedData:
     """Build the cache for `cfg.data` unless an identical one exists; log what was done."""
     data_cfg = cfg.data
     folder = cache_folder(data_cfg)
     if (folder / "meta.json").is_file() and not force:
         meta = json.loads((folder / "meta.json").read_text())
-        log(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}: cached in {folder}")
+        logger.info(
+            f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}: cached in {folder}"
+        )
         return PreparedData(folder, meta)
 
     start = time.time()
@@ -141,11 +143,11 @@ def prepare(cfg: Config, log=print, force: bool = False) -> PreparedData:
     try:
         # The header comes once the source is open, so a source that cannot be read fails with its error alone.
         notes: list[str] = []
-        sources = open_splits(data_cfg, folder.parent, log=notes.append)
-        log(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
+        sources = open_splits(data_cfg, folder.parent, notes)
+        logger.info(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
         for note in notes:
-            log(note)
-        tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg, log)
+            logger.info(note)
+        tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
         dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
         splits = {role: _encode_split(source, tokenizer, tmp, data_cfg, dtype) for role, source in sources.items()}
         meta = {
@@ -166,8 +168,8 @@ def prepare(cfg: Config, log=print, force: bool = False) -> PreparedData:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     for line in split_report(meta, data_cfg):
-        log(line)
-    log(f"cache: {folder} (prepared in {time.time() - start:.1f} s)")
+        logger.info(line)
+    logger.info(f"cache: {folder} (prepared in {time.time() - start:.1f} s)")
     return PreparedData(folder, meta)
 
 
@@ -178,7 +180,7 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
     folder = cache_folder(cfg.data)
     if (folder / "meta.json").is_file() and role in json.loads((folder / "meta.json").read_text())["splits"]:
         return EncodedSplit(folder, role).texts()
-    sources = open_splits(cfg.data, folder.parent, log=lambda *_: None)
+    sources = open_splits(cfg.data, folder.parent)
     if role not in sources:
         raise MtcliError(f"no {role} split in {describe_source(cfg.data)} (data.splits.{role})")
     src_lines, tgt_lines = [], []
@@ -213,7 +215,7 @@ def split_report(meta: dict, cfg: DataConfig) -> list[str]:
     return lines
 
 
-def _train_tokenizer(train, folder: Path, cfg: DataConfig, log) -> Tokenizer:
+def _train_tokenizer(train, folder: Path, cfg: DataConfig) -> Tokenizer:
     n = min(train.num_rows, cfg.spm_sample)
     rows = sorted(random.Random(0).sample(range(train.num_rows), n)) if n < train.num_rows else None
     src_lines, tgt_lines = [], []
@@ -221,7 +223,7 @@ def _train_tokenizer(train, folder: Path, cfg: DataConfig, log) -> Tokenizer:
         src_lines += [s for s in map(clean, sources) if s]  # the text exactly as _encode_split will encode it
         tgt_lines += [t for t in map(clean, targets) if t]
     kind = "joint" if cfg.joint_vocab else "separate"
-    log(
+    logger.info(
         f"sentencepiece: {kind} {cfg.spm_model_type} vocabulary of {cfg.vocab_size} (character coverage "
         f"{character_coverage(cfg):g}), fitted on {n:,} of {train.num_rows:,} training pairs"
     )
@@ -288,111 +290,3 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
     for side in ("src", "tgt"):
         np.save(folder / f"{role}.{side}.idx.npy", np.asarray(offsets[side], dtype=np.int64))
     return counts
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Batches
-
-
-@dataclass
-class Batch:
-    src: torch.Tensor  # (B, S) source ids ending in EOS, right-padded
-    tgt_in: torch.Tensor  # (B, T) BOS + target ids
-    tgt_out: torch.Tensor  # (B, T) target ids + EOS, PAD where tgt_in is padding
-    src_pad_mask: torch.Tensor  # (B, S) True at padding
-    tgt_index: torch.Tensor  # (N,) flat positions in (B*T) of the N real target tokens: the loss reads only these
-    labels: torch.Tensor  # (N,) tgt_out at those positions
-    n_tgt_tokens: int  # N, the real target tokens (what the loss is averaged over)
-    indices: np.ndarray  # example indices in the split, in batch order
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        move = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(
-            move(self.src),
-            move(self.tgt_in),
-            move(self.tgt_out),
-            move(self.src_pad_mask),
-            move(self.tgt_index),
-            move(self.labels),
-            self.n_tgt_tokens,
-            self.indices,
-        )
-
-
-def batch_indices(
-    src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int, epoch: int, shuffle: bool = True
-) -> list[np.ndarray]:
-    """Token-budget batches for one epoch: deterministic for (seed, epoch).
-
-    Sentences are sorted by (longer side, target length, source length), ties broken by a seeded shuffle, then cut
-    greedily so that sentences x longest <= max_tokens on each side. Sorting on the longer side first keeps both sides
-    tight (Multi30k at 4096 tokens: 0.96 of padded tokens are real, against 0.93 for a target-then-source sort). The
-    batch order is shuffled too (unless shuffle=False). A sentence longer than max_tokens gets a batch of its own:
-    callers filter such lengths beforehand.
-    """
-    n = len(src_lens)
-    rng = np.random.default_rng([seed, epoch])
-    order = rng.permutation(n) if shuffle else np.arange(n)
-    s, t = src_lens[order], tgt_lens[order]
-    order = order[np.lexsort((s, t, np.maximum(s, t)))]
-    batches, start, max_src, max_tgt = [], 0, 0, 0
-    s_sorted, t_sorted = src_lens[order].tolist(), tgt_lens[order].tolist()
-    for i in range(n):
-        new_src, new_tgt = max(max_src, s_sorted[i]), max(max_tgt, t_sorted[i])
-        count = i - start + 1
-        if count > 1 and (count * new_src > max_tokens or count * new_tgt > max_tokens):
-            batches.append(order[start:i])
-            start, new_src, new_tgt = i, s_sorted[i], t_sorted[i]
-        max_src, max_tgt = new_src, new_tgt
-    if start < n:
-        batches.append(order[start:n])
-    if shuffle:
-        perm = rng.permutation(len(batches))
-        batches = [batches[i] for i in perm]
-    return batches
-
-
-def shard(batches: list[np.ndarray], rank: int, world_size: int) -> list[np.ndarray]:
-    """Disjoint, equally many batches per rank: the last len % world_size batches are left out this epoch."""
-    usable = len(batches) - len(batches) % world_size
-    return batches[rank:usable:world_size]
-
-
-def padding_efficiency(batches: list[np.ndarray], src_lens: np.ndarray, tgt_lens: np.ndarray) -> dict[str, float]:
-    real_src = sum(int(src_lens[b].sum()) for b in batches)
-    real_tgt = sum(int(tgt_lens[b].sum()) for b in batches)
-    padded_src = sum(len(b) * int(src_lens[b].max()) for b in batches)
-    padded_tgt = sum(len(b) * int(tgt_lens[b].max()) for b in batches)
-    return {
-        "src": real_src / max(padded_src, 1),
-        "tgt": real_tgt / max(padded_tgt, 1),
-        "all": (real_src + real_tgt) / max(padded_src + padded_tgt, 1),
-    }
-
-
-def collate(split: EncodedSplit, indices: np.ndarray, max_len: int | None = None) -> Batch:
-    """Tensors for one batch. `max_len` (with specials) truncates over-long eval sentences to the model's limit."""
-    cap = max_len - 1 if max_len else None
-    srcs = [split.src(i)[:cap] for i in indices]
-    tgts = [split.tgt(i)[:cap] for i in indices]
-    B, S, T = len(indices), max(len(s) for s in srcs) + 1, max(len(t) for t in tgts) + 1
-    src = np.full((B, S), PAD, dtype=np.int64)
-    tgt_in = np.full((B, T), PAD, dtype=np.int64)
-    tgt_out = np.full((B, T), PAD, dtype=np.int64)
-    for row, (s, t) in enumerate(zip(srcs, tgts)):
-        src[row, : len(s)], src[row, len(s)] = s, EOS
-        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS, t
-        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS
-    flat = tgt_out.reshape(-1)
-    tgt_index = np.flatnonzero(flat != PAD)
-    src_t = torch.from_numpy(src)
-    return Batch(
-        src_t,
-        torch.from_numpy(tgt_in),
-        torch.from_numpy(tgt_out),
-        src_t == PAD,
-        torch.from_numpy(tgt_index),
-        torch.from_numpy(flat[tgt_index]),
-        len(tgt_index),
-        np.asarray(indices),
-    )

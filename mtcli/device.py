@@ -34,6 +34,10 @@ def choose_precision(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
+def precision_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+
 def keep_freed_memory() -> bool:
     """Ask glibc's malloc to keep freed memory for reuse instead of returning it to the OS.
 

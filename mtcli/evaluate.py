@@ -1,4 +1,5 @@
-"""Scoring: sacreBLEU BLEU and chrF on detokenized text, the one path for validation and `mtcli eval`.
+"""Scoring: sacreBLEU BLEU and chrF on detokenized text, the one path for validation and `mtcli eval`; and the
+validation loss.
 
 BLEU uses sacreBLEU's `zh` tokenizer for Chinese targets and `13a` otherwise; the written hypothesis and reference
 files reproduce the score with the printed `sacrebleu` command.
@@ -6,11 +7,19 @@ files reproduce the score with the printed `sacrebleu` command.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 
+import torch
 from sacrebleu.metrics import BLEU, CHRF
 
-from mtcli.config import DecodeConfig
+from mtcli.batching import collate, epoch_batches
+from mtcli.config import Config, DecodeConfig
+from mtcli.corpus import read_lines
+from mtcli.data import eval_texts
+from mtcli.errors import MtcliError
+from mtcli.loss import projection_cross_entropy, target_states
 from mtcli.translate import Translator
 
 CHINESE = {"zh", "zh-cn", "zh-tw", "zho", "cmn"}
@@ -20,10 +29,13 @@ def bleu_tokenizer(tgt_lang: str) -> str:
     return "zh" if tgt_lang.lower() in CHINESE else "13a"
 
 
-def score(hypotheses: list[str], references: list[str], tgt_lang: str) -> dict:
+def score(hypotheses: list[str], references: list[str], tgt_lang: str, lowercase: bool = False) -> dict:
+    """Corpus BLEU and chrF of detokenized hypotheses against one reference each; lowercase is sacreBLEU's -lc (it
+    shows in the signature as case:lc)."""
     if len(hypotheses) != len(references):
         raise ValueError(f"{len(hypotheses)} hypotheses for {len(references)} references")
-    bleu_metric, chrf_metric = BLEU(tokenize=bleu_tokenizer(tgt_lang)), CHRF()
+    bleu_metric = BLEU(tokenize=bleu_tokenizer(tgt_lang), lowercase=lowercase)
+    chrf_metric = CHRF(lowercase=lowercase)
     bleu = bleu_metric.corpus_score(hypotheses, [references])
     chrf = chrf_metric.corpus_score(hypotheses, [references])
     return {
@@ -47,18 +59,20 @@ def evaluate(
     decode: DecodeConfig,
     out_dir: Path,
     stem: str,
-    progress=None,
+    lowercase: bool = False,
+    progress: bool = False,
 ) -> dict:
     """Translate `sources`, write hypotheses and references under `out_dir`, and score them."""
     tgt_lang = translator.config.data.tgt_lang
-    hypotheses = translator.translate_best(sources, decode, progress)
+    hypotheses = translator.translate(sources, decode, progress)
     references = [" ".join(r.split()) for r in references]
     hyp_path = out_dir / f"{stem}.beam{decode.beam}.hyp.{tgt_lang}"
     ref_path = out_dir / f"{stem}.ref.{tgt_lang}"
     write_lines(hyp_path, hypotheses)
     write_lines(ref_path, references)
-    result = score(hypotheses, references, tgt_lang)
+    result = score(hypotheses, references, tgt_lang, lowercase)
     tok = bleu_tokenizer(tgt_lang)
+    flags = (" -tok zh" if tok == "zh" else "") + (" -lc" if lowercase else "")
     result.update(
         {
             "hypotheses": str(hyp_path),
@@ -66,7 +80,55 @@ def evaluate(
             "sentences": len(sources),
             "beam": decode.beam,
             "lenpen": decode.lenpen,
-            "command": f"sacrebleu {ref_path} -i {hyp_path} -m bleu chrf" + (" -tok zh" if tok == "zh" else ""),
+            "command": f"sacrebleu {ref_path} -i {hyp_path} -m bleu chrf{flags}",
         }
     )
     return result
+
+
+def evaluation_set(config: Config, split: str | None, src: Path | None, ref: Path | None) -> tuple[list, list, str]:
+    """Sources, references and a name: a split of the run's data (default test), or a pair of line-aligned files."""
+    if (src is None) != (ref is None):
+        raise MtcliError("--src and --ref go together")
+    if src is not None and split is not None:
+        raise MtcliError("give either --split or --src/--ref, not both")
+    if src is None:
+        role = split or "test"
+        return (*eval_texts(config, role), role)
+    sources, references = read_lines(src), read_lines(ref)
+    if len(sources) != len(references):
+        raise MtcliError(f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(references)}")
+    return sources, references, Path(src).name
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation during training
+
+
+@torch.inference_mode()
+def validation_loss(model, split, cfg: Config, device, autocast) -> dict:
+    """Label-smoothed loss, negative log-likelihood and perplexity per target token of an encoded split."""
+    model.eval()
+    nll_sum, smoothed_sum, tokens = 0.0, 0.0, 0
+    for indices in epoch_batches(split.src_lens, split.tgt_lens, cfg.train.max_tokens, 0, 0, shuffle=False):
+        srcs, tgts = [split.src(i) for i in indices], [split.tgt(i) for i in indices]
+        batch = collate(srcs, tgts, cfg.model.max_positions).to(device)
+        with autocast:
+            real = target_states(model, batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index)
+            nll_sum += float(projection_cross_entropy(real, model.output.weight, batch.labels, 0.0))
+            smoothed_sum += float(
+                projection_cross_entropy(real, model.output.weight, batch.labels, cfg.train.label_smoothing)
+            )
+        tokens += batch.n_tgt_tokens
+    nll = nll_sum / max(tokens, 1)
+    return {"loss": smoothed_sum / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50))}
+
+
+def validation_bleu(model, tokenizer, split, cfg: Config, device) -> float:
+    """Greedy BLEU on (the first valid_max_sentences of) an eval split, through the same path as `mtcli eval`."""
+    sources, references = split.texts()
+    if cfg.train.valid_max_sentences:
+        sources, references = sources[: cfg.train.valid_max_sentences], references[: cfg.train.valid_max_sentences]
+    translator = Translator(model, tokenizer, cfg, device)
+    decode = dataclasses.replace(cfg.decode, beam=1, nbest=1, sampling=False)
+    return score(translator.translate(sources, decode), references, cfg.data.tgt_lang)["bleu"]

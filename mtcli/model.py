@@ -189,3 +189,11 @@ class Transformer(nn.Module):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())  # tied matrices count once
+
+    def describe(self) -> str:
+        c = self.cfg
+        tied = ", tied" if c.tie_embeddings else ""
+        return (
+            f"{c.n_encoder_layers}+{c.n_decoder_layers} layers, d_model {c.d_model}, {c.heads} heads, d_ff {c.d_ff}, "
+            f"{c.norm}-norm, vocabulary {self.output.out_features}{tied}"
+        )

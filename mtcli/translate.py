@@ -1,31 +1,48 @@
-"""Translating text with a trained model: batching, truncation, search, detokenization, original order.
+"""Translating text with a trained model: which checkpoint, batching, truncation, search, detokenization, original
+order; and the line-oriented input and output of `mtcli translate` (stdin streaming, n-best lines).
 
-`Translator` is what `mtcli translate`, `mtcli eval` and validation during training all use, so a score computed
-while training and one computed afterwards come from the same code.
+`Translator` is what `mtcli translate`, `mtcli eval`, validation during training and the Python API all use, so a
+score computed while training and one computed afterwards come from the same code:
+
+    from mtcli import Translator
+    Translator.from_run("runs/toy").translate(["I love apples"], beam=5)   # ['我喜欢苹果']
 """
 
 from __future__ import annotations
 
+import queue
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import TextIO
 
+import numpy as np
 import torch
 
+from mtcli.batching import collate, token_budget_batches
 from mtcli.checkpoint import best_checkpoint, last_checkpoint, load_model
 from mtcli.config import Config, DecodeConfig
-from mtcli.device import keep_freed_memory, resolve_device
+from mtcli.device import resolve_device
 from mtcli.errors import MtcliError
+from mtcli.log import logger, progress_bar
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
-from mtcli.tokenizer import EOS, PAD, Tokenizer
+from mtcli.tokenizer import Tokenizer
+
+DECODE_OPTIONS = {f.name for f in fields(DecodeConfig)}
 
 
 @dataclass
 class Translation:
     text: str
-    score: float
-    tokens: list[int]
+    score: float  # log-probability (with EOS) divided by the length penalty
+    log_prob: float  # log-probability (with EOS)
+    tokens: list[int]  # output subword ids, without BOS and EOS
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Which checkpoint
 
 
 def find_run(runs_root: Path = Path("runs")) -> Path:
@@ -44,150 +61,209 @@ def find_run(runs_root: Path = Path("runs")) -> Path:
     return Path(max(candidates)[1])
 
 
-def resolve_checkpoint(run: Path | None = None, checkpoint: Path | None = None) -> Path:
-    """--checkpoint as given; else the best (or, before any validation, the newest) checkpoint of --run or the
-    latest run."""
+def resolve_checkpoint(run: Path | str | None = None, checkpoint: Path | str | None = None) -> Path:
+    """--checkpoint as given; else the best (or, before any validation, the newest) checkpoint of --run or of the
+    latest run under ./runs. What was picked by default is said on the log."""
     if checkpoint is not None:
         return Path(checkpoint)
-    run = Path(run) if run is not None else find_run()
+    latest = run is None
+    run = find_run() if latest else Path(run)
     if not run.is_dir():
         raise MtcliError(f"--run {run}: no such run directory")
-    ckpt = best_checkpoint(run) or last_checkpoint(run)
+    best = best_checkpoint(run)
+    ckpt = best or last_checkpoint(run)
     if ckpt is None:
         raise MtcliError(f"run {run} has no checkpoint yet; train it first (mtcli train ... --run-dir {run})")
+    which = "best by validation" if best else "newest; no validation yet"
+    logger.info(f"checkpoint: {ckpt} ({which}{', latest run under ./runs' if latest else ''})")
     return ckpt
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# The translator
+
+
 class Translator:
-    def __init__(
-        self,
-        model,
-        tokenizer: Tokenizer,
-        config: Config,
-        device: torch.device,
-        warn: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
-    ):
+    def __init__(self, model, tokenizer: Tokenizer, config: Config, device: torch.device):
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
-        self.warn = warn
         self.max_src_tokens = config.model.max_positions - 1  # room for EOS
         self.generator: torch.Generator | None = None
+        self.checkpoint: Path | None = None  # where the weights came from, when loaded from a checkpoint
 
     @classmethod
-    def load(cls, checkpoint: Path, device: str = "auto", **kwargs) -> Translator:
+    def from_checkpoint(cls, checkpoint: Path | str, device: str = "auto") -> Translator:
         dev = resolve_device(device)
-        if dev.type == "cpu":
-            keep_freed_memory()
-        model, config, tokenizer = load_model(checkpoint, dev)
-        return cls(model, tokenizer, config, dev, **kwargs)
+        model, config, tokenizer = load_model(Path(checkpoint), dev)
+        translator = cls(model, tokenizer, config, dev)
+        translator.checkpoint = Path(checkpoint)
+        return translator
 
-    def translate(
-        self, lines: list[str], decode: DecodeConfig | None = None, progress: Callable[[int], None] | None = None
+    @classmethod
+    def from_run(
+        cls, run: Path | str | None = None, checkpoint: Path | str | None = None, device: str = "auto"
+    ) -> Translator:
+        """A run's best checkpoint (or `checkpoint`); without either, the latest run under ./runs."""
+        return cls.from_checkpoint(resolve_checkpoint(run, checkpoint), device)
+
+    def decode_config(self, decode: DecodeConfig | None = None, **options) -> DecodeConfig:
+        """The run's decode section (or `decode`) with options such as beam=5 applied and checked."""
+        return decode_settings(decode or self.config.decode, **options)
+
+    def translate(self, lines: list[str], decode: DecodeConfig | None = None, progress=False, **options) -> list[str]:
+        """The best translation of each line, in order; options are decode settings, e.g. beam=5, lenpen=1.0."""
+        return [hyps[0].text for hyps in self.translate_nbest(lines, decode, progress, **options)]
+
+    def translate_nbest(
+        self, lines: list[str], decode: DecodeConfig | None = None, progress=False, **options
     ) -> list[list[Translation]]:
-        """n-best translations (best first) for each line, in the order given. Empty lines give empty outputs."""
-        decode = decode or self.config.decode
+        """decode.nbest translations (best first, with scores) for each line, in order. Empty lines give empty
+        outputs; lines longer than the model's positions are truncated, with one warning."""
+        decode = self.decode_config(decode, **options)
         lines = [line.strip() for line in lines]
         ids = self.tokenizer.encode_src(lines)
         n_truncated = sum(len(x) > self.max_src_tokens for x in ids)
         if n_truncated:
-            self.warn(
+            logger.warning(
                 f"warning: {n_truncated} input line(s) longer than the model's limit of {self.max_src_tokens} "
                 "subwords were truncated"
             )
             ids = [x[: self.max_src_tokens] for x in ids]
-        results: list[list[Translation] | None] = [None] * len(lines)
-        for i, line in enumerate(lines):
-            if not line:
-                results[i] = [Translation("", 0.0, [])]
-        order = sorted((i for i in range(len(lines)) if results[i] is None), key=lambda i: -len(ids[i]))
-        if progress and len(order) < len(lines):
-            progress(len(lines) - len(order))
-        for batch in _token_batches(order, ids, decode.batch_tokens, decode.batch_sentences):
+        results: list[list[Translation]] = [[Translation("", 0.0, 0.0, [])] if not line else [] for line in lines]
+        todo = [i for i, line in enumerate(lines) if line]
+        lengths = np.array([len(x) + 1 for x in ids])  # with EOS
+        order = np.array(sorted(todo, key=lambda i: -lengths[i]), dtype=np.int64)  # longest first, stable
+        bar = progress_bar(len(lines), unit="line", enabled=bool(progress))
+        bar.update(len(lines) - len(todo))
+        for batch in token_budget_batches(order, lengths, None, decode.batch_tokens, decode.batch_sentences):
             for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode)):
                 results[i] = hyps
-            if progress:
-                progress(len(batch))
-        return results  # type: ignore[return-value]
-
-    def translate_best(self, lines: list[str], decode: DecodeConfig | None = None, progress=None) -> list[str]:
-        return [hyps[0].text for hyps in self.translate(lines, decode, progress)]
+            bar.update(len(batch))
+        bar.close()
+        return results
 
     def _search(self, src_ids: list[list[int]], decode: DecodeConfig) -> list[list[Translation]]:
+        batch = collate(src_ids).to(self.device)
         lengths = torch.tensor([len(x) for x in src_ids])
-        src = torch.full((len(src_ids), int(lengths.max()) + 1), PAD, dtype=torch.long)
-        for row, x in enumerate(src_ids):
-            src[row, : len(x)] = torch.tensor(x, dtype=torch.long)
-            src[row, len(x)] = EOS
-        src = src.to(self.device)
-        src_pad_mask = src == PAD
-        max_lens = max_output_lengths(lengths, decode.max_len_a, decode.max_len_b, self.config.model.max_positions).to(
-            self.device
-        )
-        model = self.model
+        max_lens = max_output_lengths(lengths, decode.max_len_a, decode.max_len_b, self.config.model.max_positions)
+        args = (self.model, batch.src, batch.src_pad_mask, max_lens.to(self.device))
         if decode.sampling:
             if self.generator is None:  # one stream for the whole session: a line's sample must not depend on batching
                 self.generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
-            generator = self.generator
-            hyps = [
-                [h]
-                for h in sample(
-                    model,
-                    src,
-                    src_pad_mask,
-                    max_lens,
-                    decode.temperature,
-                    decode.top_k,
-                    decode.top_p,
-                    decode.min_len,
-                    generator,
-                )
-            ]
+            d = decode
+            found = sample(*args, d.temperature, d.top_k, d.top_p, d.min_len, self.generator)
+            hyps = [[h] for h in found]
         elif decode.beam == 1 and not decode.no_repeat_ngram:  # beam 1 is greedy; the n-gram ban lives in beam search
-            hyps = [[h] for h in greedy_search(model, src, src_pad_mask, max_lens, decode.min_len)]
+            hyps = [[h] for h in greedy_search(*args, decode.min_len)]
         else:
-            hyps = beam_search(
-                model,
-                src,
-                src_pad_mask,
-                max_lens,
-                decode.beam,
-                decode.lenpen,
-                decode.min_len,
-                decode.nbest,
-                decode.no_repeat_ngram,
-            )
-        texts = self.tokenizer.decode_tgt([h.tokens for sentence in hyps for h in sentence])
-        out, pos = [], 0
-        for sentence in hyps:
-            out.append([Translation(texts[pos + j], h.score, h.tokens) for j, h in enumerate(sentence)])
-            pos += len(sentence)
-        return out
+            d = decode
+            hyps = beam_search(*args, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram)
+        texts = iter(self.tokenizer.decode_tgt([h.tokens for sentence in hyps for h in sentence]))
+        return [[Translation(next(texts), h.score, h.log_prob, h.tokens) for h in sentence] for sentence in hyps]
 
 
-def _token_batches(
-    order: list[int], ids: list[list[int]], batch_tokens: int, batch_sentences: int = 0
-) -> list[list[int]]:
-    """Consecutive runs of `order` (sorted longest first) with sentences x longest (with EOS) <= batch_tokens and at
-    most batch_sentences sentences (when set)."""
-    batches, current, longest = [], [], 0
-    for i in order:
-        length = len(ids[i]) + 1
-        full = batch_sentences and len(current) == batch_sentences
-        if current and (full or (len(current) + 1) * max(longest, length) > batch_tokens):
-            batches.append(current)
-            current, longest = [], 0
-        current.append(i)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
-
-
-def decode_settings(config: Config, **overrides) -> DecodeConfig:
-    """The run's decode section with command-line values (None = keep) applied and checked."""
-    values = {k: v for k, v in overrides.items() if v is not None}
+def decode_settings(decode: DecodeConfig, **options) -> DecodeConfig:
+    """`decode` with options (None = keep) applied and checked; a new beam caps nbest unless nbest is given too."""
+    unknown = set(options) - DECODE_OPTIONS
+    if unknown:
+        raise MtcliError(
+            f"unknown decode option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(DECODE_OPTIONS))}"
+        )
+    values = {k: v for k, v in options.items() if v is not None}
     if "beam" in values and "nbest" not in values:
-        values["nbest"] = min(config.decode.nbest, values["beam"])
+        values["nbest"] = min(decode.nbest, values["beam"])
     try:
-        return replace(config.decode, **values)
+        return replace(decode, **values)
     except MtcliError as e:
         raise MtcliError(str(e).replace("decode.", "--").replace("_", "-")) from None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Line-oriented input and output
+
+
+def write_translations(
+    translator: Translator, chunks: Iterable[list[str]], decode: DecodeConfig, out: TextIO, total: int = 0
+) -> int:
+    """Translate chunks of lines in order, one output line per input line, or with decode.nbest > 1 Moses-style
+    n-best lines `i ||| text ||| features ||| score`. A progress bar counts `total` lines when given. Returns the
+    number of input lines."""
+    count = 0
+    bar = progress_bar(total, unit="line", enabled=total > 0)
+    for chunk in chunks:
+        for hyps in translator.translate_nbest(chunk, decode):
+            if decode.nbest > 1:
+                out.writelines(format_nbest(count, h) + "\n" for h in hyps)
+            else:
+                out.write(hyps[0].text + "\n")
+            count += 1
+        out.flush()
+        bar.update(len(chunk))
+    bar.close()
+    return count
+
+
+def format_nbest(index: int, t: Translation) -> str:
+    """Moses n-best format: sentence index, translation, feature values (`name= value`), total score. The score is
+    the log-probability divided by the length penalty of the output length (subwords + EOS)."""
+    return f"{index} ||| {t.text} ||| log_prob= {t.log_prob:.4f} length= {len(t.tokens) + 1} ||| {t.score:.4f}"
+
+
+def chunked(lines: list[str], size: int = 10_000) -> Iterator[list[str]]:
+    """A long file in chunks, so output is written as it is made (each chunk is batched by length on its own)."""
+    for start in range(0, len(lines), size):
+        yield lines[start : start + size]
+
+
+def stdin_chunks(max_lines: int = 256, stream=None) -> Iterator[list[str]]:
+    """Lines from stdin in order, grouped by what has arrived: one at a time when typed, in batches when piped.
+
+    A reader thread decodes each line; the consumer takes everything already queued as one chunk, so a pipe is
+    translated in batches while an interactive user gets each line back as soon as it is typed. Memory stays
+    bounded by the queue. Bytes that are not UTF-8 end the stream with an error naming the line, after the lines
+    before it are translated."""
+    stream = stream if stream is not None else sys.stdin.buffer
+    lines: queue.Queue = queue.Queue(maxsize=4 * max_lines)
+
+    def reader():
+        try:
+            for number, raw in enumerate(stream, start=1):
+                try:
+                    lines.put(raw.decode("utf-8").rstrip("\n").removesuffix("\r"))
+                except UnicodeDecodeError as e:
+                    fix = "convert the input to UTF-8, e.g. with iconv"
+                    lines.put(MtcliError(f"stdin line {number}: not valid UTF-8 ({e.reason}); {fix}"))
+                    return
+        except OSError as e:
+            lines.put(MtcliError(f"reading stdin failed: {e}"))
+            return
+        lines.put(None)
+
+    threading.Thread(target=reader, daemon=True).start()
+    chunk: list[str] = []
+    while True:
+        item = lines.get() if not chunk else _get_nowait(lines)
+        if isinstance(item, MtcliError):
+            if chunk:
+                yield chunk  # translate what came before the bad line, then stop
+            raise item
+        if item is None or item is _EMPTY:
+            if chunk:
+                yield chunk
+                chunk = []
+            if item is None:
+                return
+            continue
+        chunk.append(item)
+        if len(chunk) == max_lines:
+            yield chunk
+            chunk = []
+
+
+_EMPTY = object()
+
+
+def _get_nowait(q: queue.Queue):
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        return _EMPTY

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -42,3 +43,21 @@ def tiny_corpus(tmp_path) -> Path:
         (folder / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs), encoding="utf-8")
         (folder / f"{split}.de").write_text("".join(t + "\n" for _, t in pairs), encoding="utf-8")
     return folder
+
+
+@pytest.fixture
+def log():
+    """The messages the `mtcli` logger emits during the test (info and above), as strings."""
+    lines: list[str] = []
+
+    class ListHandler(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("mtcli")
+    handler, level = ListHandler(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield lines
+    logger.removeHandler(handler)
+    logger.setLevel(level)

@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from mtcli.checkpoint import best_checkpoint, list_checkpoints
 from mtcli.cli import app
+from mtcli.errors import MtcliError
 
 runner = CliRunner()
 
@@ -51,6 +52,7 @@ def test_help_lists_every_command_and_each_shows_an_example():
         assert "Example:" in invoke(*command, "--help").output, command
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: {dataset: toy}\nmodel: {d_modle: 64}\n")
@@ -93,11 +95,16 @@ def test_translate_arguments_stdin_and_files(toy_run, tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     lines = out.read_text(encoding="utf-8").split("\n")
     assert len(lines) == 33 and lines[0] == "我喜欢苹果" and lines[31] == "" and lines[32] == ""
-    assert result.stderr.count("truncated") == 1 and "translated 32/32 lines" in result.stderr
-    nbest = invoke("translate", "--beam", "3", "--nbest", "3", "I love apples").stdout.strip().split("\n")
-    assert len(nbest) == 3 and all(line.startswith("0 ||| ") for line in nbest)
-    scores = [float(line.rsplit("|||", 1)[1]) for line in nbest]
+    assert result.stderr.count("truncated") == 1 and "checkpoint: runs/toy/checkpoints/" in result.stderr
+    nbest = invoke("translate", "--beam", "3", "--nbest", "3", "I love apples", "").stdout.strip().split("\n")
+    assert len(nbest) == 4 and all(line.startswith("0 ||| ") for line in nbest[:3]) and nbest[3].startswith("1 ||| ")
+    fields = [line.split(" ||| ") for line in nbest[:3]]  # Moses: index, text, features, score
+    assert all(len(f) == 4 for f in fields) and fields[0][1] == "我喜欢苹果"
+    scores = [float(f[3]) for f in fields]
     assert scores == sorted(scores, reverse=True)
+    for f in fields:  # the score is the log-probability over the length penalty of the features' length
+        features = dict(zip(f[2].split()[::2], map(float, f[2].split()[1::2])))
+        assert float(f[3]) == pytest.approx(features["log_prob="] / ((5 + features["length="]) / 6) ** 0.6, abs=2e-4)
 
 
 @pytest.mark.slow
@@ -142,10 +149,14 @@ def test_average_last_checkpoints(toy_run, tmp_path):
     found = list_checkpoints(toy_run)
     assert len(found) >= 2
     out = Path(invoke("average", "--run", toy_run, "--last", "2", "--output", tmp_path / "avg").stdout.strip())
-    assert (out / "model.safetensors").is_file()
-    assert invoke("translate", "--checkpoint", out, "I love apples").stdout.strip()
-    result = runner.invoke(app, ["average", "--run", str(toy_run), "--last", "99"])
-    assert result.exit_code != 0
+    assert invoke("translate", "--checkpoint", out, "I love apples").stdout == "我喜欢苹果\n"
+    for last, message in ((99, "fewer than --last 99"), (0, "--last 0: average at least 1")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "mtcli", "average", "--run", str(toy_run), "--last", str(last)],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
@@ -177,9 +188,32 @@ def test_no_repeat_ngram_applies_to_beam_one(toy_run):
     from mtcli.data import eval_texts
     from mtcli.translate import Translator
 
-    translator = Translator.load(best_checkpoint(toy_run), "cpu")
+    translator = Translator.from_checkpoint(best_checkpoint(toy_run), "cpu")
     sources, _ = eval_texts(translator.config, "test")
     greedy = replace(translator.config.decode, beam=1, nbest=1)
     repeats = lambda hyps: sum(len(set(h[0].tokens)) < len(h[0].tokens) for h in hyps)  # noqa: E731
-    assert repeats(translator.translate(sources, greedy)) > 0  # the toy outputs do repeat subwords (妈妈)
-    assert repeats(translator.translate(sources, replace(greedy, no_repeat_ngram=1))) == 0
+    assert repeats(translator.translate_nbest(sources, greedy)) > 0  # the toy outputs do repeat subwords (妈妈)
+    assert repeats(translator.translate_nbest(sources, replace(greedy, no_repeat_ngram=1))) == 0
+
+
+def test_version_and_conflicting_inputs(tmp_path):
+    from mtcli import __version__
+
+    assert invoke("--version").stdout == f"mtcli {__version__}\n"
+    source = tmp_path / "in.en"
+    source.write_text("I love apples\n")
+    with pytest.raises(MtcliError, match="not both"):  # text arguments would otherwise be dropped silently
+        runner.invoke(app, ["translate", "--input", str(source), "hello"], catch_exceptions=False)
+
+
+@pytest.mark.slow
+def test_decode_settings_from_set_and_what_was_picked(toy_run):
+    """translate/eval take --set decode.KEY=VALUE (and nothing else), and say which checkpoint they picked."""
+    base = ["translate", "--run", str(toy_run), "I love apples"]
+    long = invoke(*base, "--set", "decode.min_len=12", "--set", "decode.beam=2")
+    assert len(long.stdout.strip()) >= 6 and long.stdout != "我喜欢苹果\n"  # min_len forces a longer output
+    assert f"checkpoint: {best_checkpoint(toy_run)} (best by validation)" in long.stderr
+    with pytest.raises(MtcliError, match="takes only decode.KEY=VALUE"):
+        runner.invoke(app, [*base, "--set", "model.layers=2"], catch_exceptions=False)
+    result = json.loads(invoke("eval", "--run", toy_run, "--set", "decode.beam=1", "--lowercase", "--json").stdout)
+    assert result["beam"] == 1 and "case:lc" in result["signature"] and result["command"].endswith("-tok zh -lc")

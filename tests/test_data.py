@@ -11,27 +11,16 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 import yaml
 from conftest import tiny_pairs
 
 import mtcli.data
+from mtcli.batching import epoch_batches, padding_counts
 from mtcli.config import load_config
 from mtcli.corpus import check_utf8, has_bare_cr, split_names
-from mtcli.data import (
-    Batch,
-    batch_indices,
-    clean,
-    collate,
-    eval_texts,
-    padding_efficiency,
-    prepare,
-    shard,
-)
+from mtcli.data import clean, eval_texts, prepare
 from mtcli.errors import MtcliError
-from mtcli.tokenizer import BOS, EOS, PAD
 from mtcli.toy import REQUIRED_TRAIN_PAIR, toy_pairs, write_toy_corpus
 
 SPLITS = {"train": "train", "valid": "valid", "test": "test"}
@@ -101,7 +90,7 @@ def test_each_local_format_loads(tmp_path, layout):
     for split, pairs in corpus.items():
         write_layout(folder, layout, split, pairs)
     cfg = make_config(tmp_path, {"path": str(folder), "splits": SPLITS})
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
 
     assert data.roles == ["train", "valid", "test"]
     for role, pairs in corpus.items():
@@ -123,12 +112,12 @@ def test_format_setting_picks_one_of_several_layouts(tmp_path):
     write_layout(folder, "text", "train", tiny_pairs(100, 1))
     write_layout(folder, "jsonl", "train", tiny_pairs(60, 2))
     train_total = lambda **data: prepare(  # noqa: E731
-        make_config(tmp_path, {"path": str(folder), **data}), log=lambda *_: None
+        make_config(tmp_path, {"path": str(folder), **data})
     ).meta["splits"]["train"]["total"]
     assert train_total() == 100  # auto: the text pair first
     assert train_total(format="jsonl") == 60
     with pytest.raises(MtcliError, match="no train split"):
-        prepare(make_config(tmp_path, {"path": str(folder), "format": "tsv"}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(folder), "format": "tsv"}))
 
 
 def test_column_settings_pick_named_columns(tmp_path):
@@ -138,9 +127,9 @@ def test_column_settings_pick_named_columns(tmp_path):
     rows = [{"source": s, "target": t, "id": i} for i, (s, t) in enumerate(pairs)]
     (folder / "train.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     with pytest.raises(MtcliError, match="no column `en`.*data.src_column"):
-        prepare(make_config(tmp_path, {"path": str(folder)}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(folder)}))
     cfg = make_config(tmp_path, {"path": str(folder), "src_column": "source", "tgt_column": "target"})
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
     assert decode_all(data, data.split("train"))[1] == [t for _, t in pairs]
 
 
@@ -184,7 +173,7 @@ def write_hub_folder(root: Path, ext: str) -> dict[str, list[tuple[str, str]]]:
 def test_hub_layout_folder_loads_subset(tmp_path, ext):
     corpus = write_hub_folder(tmp_path / "hub", ext)
     cfg = make_config(tmp_path, {"dataset": str(tmp_path / "hub"), "subset": "en-de"})
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
     assert {role: s["name"] for role, s in data.meta["splits"].items()} == {
         "train": "train",
         "valid": "validation",
@@ -206,7 +195,7 @@ def test_hub_splits_are_used_for_the_hub_and_splits_for_local_files(tmp_path):
     }
     cfg = make_config(tmp_path, data_cfg)
     assert split_names(cfg.data) == {"train": "train", "valid": "validation"}
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
     assert data.roles == ["train", "valid"] and data.meta["splits"]["valid"]["name"] == "validation"
 
     local = tmp_path / "local"
@@ -215,7 +204,7 @@ def test_hub_splits_are_used_for_the_hub_and_splits_for_local_files(tmp_path):
     write_text_pair(local, "newstest", tiny_pairs(6, 6))
     cfg = make_config(tmp_path, {**data_cfg, "path": str(local)})  # data.path wins over data.dataset
     assert split_names(cfg.data) == {"train": "train", "valid": "dev", "test": "newstest"}
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
     assert {role: s["total"] for role, s in data.meta["splits"].items()} == {"train": 100, "valid": 7, "test": 6}
 
 
@@ -223,7 +212,7 @@ def test_hub_layout_folder_with_unknown_subset_is_one_line_error(tmp_path):
     write_hub_folder(tmp_path / "hub", "jsonl")
     cfg = make_config(tmp_path, {"dataset": str(tmp_path / "hub"), "subset": "xx-yy"})
     with pytest.raises(MtcliError) as info:
-        prepare(cfg, log=lambda *_: None)
+        prepare(cfg)
     message = str(info.value)
     assert "subset `xx-yy`" in message and "data.path" in message and "\n" not in message
 
@@ -237,9 +226,9 @@ def test_local_sources_make_no_network_calls(tmp_path, tiny_corpus, monkeypatch)
         raise OSError("no network in this test")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_network)
-    prepare(make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}), log=lambda *_: None)
+    prepare(make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}))
     write_hub_folder(tmp_path / "hub", "jsonl")
-    prepare(make_config(tmp_path, {"dataset": str(tmp_path / "hub"), "subset": "en-de"}), log=lambda *_: None)
+    prepare(make_config(tmp_path, {"dataset": str(tmp_path / "hub"), "subset": "en-de"}))
     assert calls == []
 
 
@@ -253,7 +242,7 @@ def test_unreachable_hub_fails_fast_with_one_line(tmp_path, monkeypatch):
     cfg = make_config(tmp_path, {"dataset": "someone/nonexistent"})
     start = time.monotonic()
     with pytest.raises(MtcliError) as info:
-        prepare(cfg, log=lambda *_: None)
+        prepare(cfg)
     assert time.monotonic() - start < 5
     message = str(info.value)
     assert "\n" not in message
@@ -269,6 +258,7 @@ def run_cli(tmp_path, *args, env_extra=None):
     )
 
 
+@pytest.mark.slow
 def test_cli_unreachable_hub_exits_2_with_one_error_line(tmp_path):
     config = tmp_path / "hub.yaml"
     config.write_text(yaml.safe_dump({"data": {"dataset": "someone/nonexistent"}}))
@@ -284,6 +274,7 @@ def test_cli_unreachable_hub_exits_2_with_one_error_line(tmp_path):
     assert lines[0].startswith("error: ") and "data.path" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_config_error_exits_2_with_one_error_line(tmp_path, tiny_corpus):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"data": {"path": str(tiny_corpus)}}))
@@ -303,7 +294,7 @@ def test_line_count_mismatch_names_both_files_and_counts(tmp_path):
     write_text_pair(folder, "train", tiny_pairs(5, 1))
     (folder / "train.de").write_text("".join(t + "\n" for _, t in tiny_pairs(4, 1)), encoding="utf-8")
     with pytest.raises(MtcliError) as info:
-        prepare(make_config(tmp_path, {"path": str(folder)}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(folder)}))
     message = str(info.value)
     assert f"{folder / 'train.en'} has 5 lines" in message and f"{folder / 'train.de'} has 4" in message
     assert no_leftovers(tmp_path / "cache")
@@ -318,7 +309,7 @@ def test_non_utf8_bytes_name_file_and_line(tmp_path, layout):
     lines[2] = lines[2].replace(b"a b", b"a \xff\xfe b")
     path.write_bytes(b"\n".join(lines))
     with pytest.raises(MtcliError) as info:
-        prepare(make_config(tmp_path, {"path": str(folder)}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(folder)}))
     assert f"{path}:3:" in str(info.value) and "UTF-8" in str(info.value)
 
 
@@ -349,24 +340,24 @@ def test_tsv_line_without_one_tab_names_file_and_line(tmp_path):
     lines[3] = "no tab on this line"
     (folder / "train.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     with pytest.raises(MtcliError, match=rf"{re.escape(str(folder / 'train.tsv'))}:4: expected `source<TAB>target`"):
-        prepare(make_config(tmp_path, {"path": str(folder)}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(folder)}))
 
 
 def test_missing_train_split_is_an_error(tmp_path):
     folder = tmp_path / "corpus"
     write_text_pair(folder, "training", tiny_pairs(10, 1))
     with pytest.raises(MtcliError) as info:
-        prepare(make_config(tmp_path, {"path": str(folder)}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(folder)}))
     assert "no train split `train`" in str(info.value) and "data.splits.train" in str(info.value)
     assert no_leftovers(tmp_path / "cache")
     with pytest.raises(MtcliError, match="is not a folder"):
-        prepare(make_config(tmp_path, {"path": str(tmp_path / "nowhere")}), log=lambda *_: None)
+        prepare(make_config(tmp_path, {"path": str(tmp_path / "nowhere")}))
 
 
-def test_missing_eval_split_is_skipped_with_a_note(tmp_path, tiny_corpus):
+def test_missing_eval_split_is_skipped_with_a_note(tmp_path, tiny_corpus, log):
     (tiny_corpus / "test.en").unlink()
-    log = []
-    data = prepare(make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}), log=log.append)
+    log.clear()
+    data = prepare(make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}))
     assert data.roles == ["train", "valid"]
     notes = [line for line in log if "skipping" in line]
     assert len(notes) == 1 and "test" in notes[0]
@@ -374,10 +365,10 @@ def test_missing_eval_split_is_skipped_with_a_note(tmp_path, tiny_corpus):
         data.split("test")
 
 
-def test_null_splits_are_not_used(tmp_path, tiny_corpus):
+def test_null_splits_are_not_used(tmp_path, tiny_corpus, log):
     cfg = make_config(tmp_path, {"path": str(tiny_corpus), "splits": {"train": "train", "valid": None, "test": None}})
-    log = []
-    assert prepare(cfg, log=log.append).roles == ["train"]
+    log.clear()
+    assert prepare(cfg).roles == ["train"]
     assert not [line for line in log if "skipping" in line]
 
 
@@ -393,7 +384,7 @@ def test_lone_carriage_return_stays_inside_its_line(tmp_path):
     # Windows line ends are plain line ends.
     (folder / "test.en").write_bytes(b"a b\r\nc  d\r\n")
     (folder / "test.de").write_bytes(b"A B\r\nC D\r\n")
-    data = prepare(make_config(tmp_path, {"path": str(folder), "splits": SPLITS}), log=lambda *_: None)
+    data = prepare(make_config(tmp_path, {"path": str(folder), "splits": SPLITS}))
     assert data.meta["splits"]["train"]["total"] == 40
     targets = decode_all(data, data.split("train"))[1]
     assert targets[9] == "zeile neun weiter" and targets[10] == "zeile 10 eins zwei"
@@ -429,7 +420,7 @@ def test_json_nulls_are_empty_sides(tmp_path):
         {"translation": rows[0]["translation"]},
     ]
     (folder / "test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test), encoding="utf-8")
-    data = prepare(make_config(tmp_path, {"path": str(folder)}), log=lambda *_: None)
+    data = prepare(make_config(tmp_path, {"path": str(folder)}))
     train = data.meta["splits"]["train"]
     assert (train["total"], train["kept"], train["empty"]) == (62, 60, 2)
     assert data.split("test").texts() == (["", "the dog", pairs[0][0]], ["", "", pairs[0][1]])
@@ -442,7 +433,7 @@ def test_vocab_size_below_the_characters_is_a_config_error(tmp_path):
     write_text_pair(folder, "train", pairs, tgt="zh")
     cfg = make_config(tmp_path, {"path": str(folder), "tgt_lang": "zh", "character_coverage": 1.0})
     with pytest.raises(MtcliError, match="data.vocab_size: 100 is too small") as info:
-        prepare(cfg, log=lambda *_: None)
+        prepare(cfg)
     assert "\n" not in str(info.value)
     assert no_leftovers(tmp_path / "cache")
 
@@ -451,7 +442,7 @@ def test_vocab_size_below_the_characters_is_a_config_error(tmp_path):
 # Cleaning
 
 
-def test_train_pairs_are_cleaned_and_counted_eval_pairs_kept(tmp_path):
+def test_train_pairs_are_cleaned_and_counted_eval_pairs_kept(tmp_path, log):
     normal = tiny_pairs(120, 1)
     bad = [
         ("", "der Hund"),  # empty side
@@ -465,8 +456,8 @@ def test_train_pairs_are_cleaned_and_counted_eval_pairs_kept(tmp_path):
     write_text_pair(folder, "train", normal + bad)
     write_text_pair(folder, "valid", bad + normal[:5])
     cfg = make_config(tmp_path, {"path": str(folder), "splits": SPLITS, "max_len": 40, "max_ratio": 3.0})
-    log = []
-    data = prepare(cfg, log=log.append)
+    log.clear()
+    data = prepare(cfg)
     train = data.meta["splits"]["train"]
     assert (train["total"], train["kept"], train["empty"], train["too_long"], train["ratio"]) == (126, 120, 2, 2, 2)
     assert any("dropped 2 with an empty side, 2 over 40 subwords, 2 over length ratio 3" in line for line in log)
@@ -483,49 +474,49 @@ def test_train_pairs_are_cleaned_and_counted_eval_pairs_kept(tmp_path):
 
     # 0 disables the ratio filter
     cfg = make_config(tmp_path, {"path": str(folder), "splits": SPLITS, "max_len": 40, "max_ratio": 0})
-    assert prepare(cfg, log=lambda *_: None).meta["splits"]["train"]["kept"] == 122  # the two over the ratio only
+    assert prepare(cfg).meta["splits"]["train"]["kept"] == 122  # the two over the ratio only
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The cache
 
 
-def test_second_prepare_is_a_cache_hit(tmp_path, tiny_corpus, monkeypatch):
+def test_second_prepare_is_a_cache_hit(tmp_path, tiny_corpus, monkeypatch, log):
     cfg = make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS})
-    first = prepare(cfg, log=lambda *_: None)
+    first = prepare(cfg)
     assert first.folder.parent == tmp_path / "cache"
 
     def must_not_encode(*args, **kwargs):
         raise AssertionError("re-encoded a cached split")
 
     monkeypatch.setattr(mtcli.data, "_encode_split", must_not_encode)
-    log = []
-    again = prepare(make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}), log=log.append)
+    log.clear()
+    again = prepare(make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}))
     assert again.folder == first.folder and again.meta == first.meta
     assert len(log) == 1 and "cached" in log[0]
     # Settings outside `data` do not shape the cache.
     other = make_config(
         tmp_path, {"path": str(tiny_corpus), "splits": SPLITS}, overrides=["model.layers=2", "train.lr=1"]
     )
-    assert prepare(other, log=lambda *_: None).folder == first.folder
+    assert prepare(other).folder == first.folder
     # Nor does where the cache lives.
     moved = make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS, "cache_dir": str(tmp_path / "c2")})
     assert mtcli.data.cache_folder(moved.data).name == first.folder.name
 
 
-def test_force_rebuilds_the_same_folder(tmp_path, tiny_corpus):
+def test_force_rebuilds_the_same_folder(tmp_path, tiny_corpus, log):
     cfg = make_config(tmp_path, {"path": str(tiny_corpus)})
-    first = prepare(cfg, log=lambda *_: None)
-    log = []
-    again = prepare(cfg, log=log.append, force=True)
+    first = prepare(cfg)
+    log.clear()
+    again = prepare(cfg, force=True)
     assert again.folder == first.folder and not any("cached" in line for line in log)
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [first.folder.name]
 
 
 @pytest.mark.parametrize("change", ["vocab_size", "max_len", "spm_model_type", "file"])
-def test_cache_is_invalidated_by_what_shapes_it(tmp_path, tiny_corpus, change):
+def test_cache_is_invalidated_by_what_shapes_it(tmp_path, tiny_corpus, change, log):
     data_cfg = {"path": str(tiny_corpus), "splits": SPLITS}
-    first = prepare(make_config(tmp_path, data_cfg), log=lambda *_: None)
+    first = prepare(make_config(tmp_path, data_cfg))
     new_refs = None
     if change == "file":
         new_refs = [t.upper() for _, t in tiny_pairs(20, 3)]  # same line count, new content and size
@@ -535,8 +526,8 @@ def test_cache_is_invalidated_by_what_shapes_it(tmp_path, tiny_corpus, change):
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
     else:
         data_cfg[change] = {"vocab_size": 80, "max_len": 30, "spm_model_type": "bpe"}[change]
-    log = []
-    second = prepare(make_config(tmp_path, data_cfg), log=log.append)
+    log.clear()
+    second = prepare(make_config(tmp_path, data_cfg))
     assert second.folder != first.folder
     assert not any("cached" in line for line in log)
     if new_refs is not None:  # the new content, not a stale copy from some cache
@@ -546,158 +537,23 @@ def test_cache_is_invalidated_by_what_shapes_it(tmp_path, tiny_corpus, change):
 
 def test_touching_a_file_invalidates_the_cache(tmp_path, tiny_corpus):
     cfg = make_config(tmp_path, {"path": str(tiny_corpus)})
-    first = prepare(cfg, log=lambda *_: None)
+    first = prepare(cfg)
     path = tiny_corpus / "train.de"
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
-    assert prepare(cfg, log=lambda *_: None).folder != first.folder
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Batches
-
-
-def random_lengths(n: int = 3000, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    src = rng.integers(1, 120, n)
-    tgt = np.clip(src + rng.integers(-30, 30, n), 1, 120)
-    return src.astype(np.int64), tgt.astype(np.int64)
-
-
-@pytest.mark.parametrize("max_tokens", [128, 1024, 4096])
-def test_batches_stay_in_budget_and_cover_each_example_once(max_tokens):
-    src, tgt = random_lengths()
-    for epoch in range(3):
-        batches = batch_indices(src, tgt, max_tokens, seed=1, epoch=epoch)
-        assert all(len(b) > 0 for b in batches)
-        assert all(len(b) * src[b].max() <= max_tokens and len(b) * tgt[b].max() <= max_tokens for b in batches)
-        assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(len(src)))
-    # Sorting by length keeps padding low even on random lengths.
-    assert padding_efficiency(batches, src, tgt)["all"] > 0.85
-
-
-def test_batch_order_is_deterministic_per_seed_and_epoch():
-    src, tgt = random_lengths()
-    same = lambda a, b: len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))  # noqa: E731
-    first = batch_indices(src, tgt, 1024, seed=1, epoch=0)
-    assert same(first, batch_indices(src.copy(), tgt.copy(), 1024, seed=1, epoch=0))
-    assert not same(first, batch_indices(src, tgt, 1024, seed=1, epoch=1))
-    assert not same(first, batch_indices(src, tgt, 1024, seed=2, epoch=0))
-    ordered = batch_indices(src, tgt, 1024, seed=1, epoch=0, shuffle=False)
-    assert same(ordered, batch_indices(src, tgt, 1024, seed=7, epoch=3, shuffle=False))
-    longest = [max(src[b].max(), tgt[b].max()) for b in ordered]
-    assert longest == sorted(longest)
-
-
-def test_sentence_over_budget_gets_a_batch_of_its_own():
-    src, tgt = np.array([5, 300, 3, 4, 250]), np.array([5, 10, 3, 400, 2])
-    batches = batch_indices(src, tgt, 100, seed=1, epoch=0)
-    for big in (1, 3, 4):  # each over the budget on one side
-        assert [b.tolist() for b in batches if big in b] == [[big]]
-    assert np.array_equal(np.sort(np.concatenate(batches)), np.arange(5))
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 7])
-def test_shards_are_disjoint_equal_and_cover_all_but_a_remainder(world_size):
-    src, tgt = random_lengths(1000)
-    batches = batch_indices(src, tgt, 512, seed=1, epoch=0)
-    shards = [shard(batches, rank, world_size) for rank in range(world_size)]
-    assert len({len(s) for s in shards}) == 1
-    examples = np.concatenate([np.concatenate(s) for s in shards if s])
-    assert len(examples) == len(set(examples.tolist()))  # no example on two ranks or twice on one
-    used = sum(len(s) for s in shards)
-    assert len(batches) - world_size < used <= len(batches)
-    assert used % world_size == 0
-
-
-def test_padding_efficiency_by_hand():
-    src, tgt = np.array([2, 4, 3]), np.array([1, 1, 5])
-    eff = padding_efficiency([np.array([0, 1]), np.array([2])], src, tgt)
-    assert eff["src"] == pytest.approx(9 / 11) and eff["tgt"] == pytest.approx(1.0)
-    assert eff["all"] == pytest.approx(16 / 18)
-
-
-class ListSplit:
-    """Stands in for an EncodedSplit: what collate reads."""
-
-    def __init__(self, srcs, tgts):
-        self.srcs, self.tgts = srcs, tgts
-
-    def src(self, i):
-        return self.srcs[i]
-
-    def tgt(self, i):
-        return self.tgts[i]
-
-
-def random_split(n: int = 40, seed: int = 0) -> ListSplit:
-    rng = np.random.default_rng(seed)
-    ids = lambda: rng.integers(EOS + 1, 100, rng.integers(1, 15)).astype(np.uint16)  # noqa: E731
-    srcs, tgts = [ids() for _ in range(n)], [ids() for _ in range(n)]
-    srcs[3] = np.zeros(0, dtype=np.uint16)  # an eval pair with an empty side
-    tgts[4] = np.zeros(0, dtype=np.uint16)
-    return ListSplit(srcs, tgts)
-
-
-def check_batch(batch: Batch, srcs, tgts):
-    B = len(srcs)
-    S, T = max(len(s) for s in srcs) + 1, max(len(t) for t in tgts) + 1
-    assert batch.src.shape == batch.src_pad_mask.shape == (B, S)
-    assert batch.tgt_in.shape == batch.tgt_out.shape == (B, T)
-    assert batch.src.dtype == batch.tgt_in.dtype == batch.labels.dtype == torch.int64
-    labels = []
-    for row, (s, t) in enumerate(zip(srcs, tgts)):
-        s, t = s.tolist(), t.tolist()
-        assert batch.src[row].tolist() == s + [EOS] + [PAD] * (S - len(s) - 1)
-        assert batch.src_pad_mask[row].tolist() == [j >= len(s) + 1 for j in range(S)]
-        assert batch.tgt_in[row].tolist() == [BOS] + t + [PAD] * (T - len(t) - 1)
-        assert batch.tgt_out[row].tolist() == t + [EOS] + [PAD] * (T - len(t) - 1)
-        n = len(t) + 1  # real target positions
-        assert batch.tgt_in[row, 1:n].tolist() == batch.tgt_out[row, : n - 1].tolist()
-        labels += t + [EOS]
-    assert batch.labels.tolist() == labels and batch.n_tgt_tokens == len(labels)
-    assert torch.equal(batch.tgt_out.reshape(-1)[batch.tgt_index], batch.labels)
-    assert (batch.tgt_out.reshape(-1)[batch.tgt_index] != PAD).all()
-    assert int((batch.tgt_out != PAD).sum()) == len(labels)
-
-
-def test_collate_shifts_pads_and_masks():
-    split = random_split()
-    indices = np.array([7, 3, 0, 4, 12, 39, 5])
-    batch = collate(split, indices)
-    check_batch(batch, [split.src(i) for i in indices], [split.tgt(i) for i in indices])
-    assert np.array_equal(batch.indices, indices)
-    moved = batch.to("cpu")
-    assert torch.equal(moved.src, batch.src) and torch.equal(moved.labels, batch.labels)
-
-
-def test_collate_truncates_to_max_len_with_specials():
-    split = random_split()
-    indices = np.arange(20)
-    batch = collate(split, indices, max_len=6)
-    assert batch.src.shape[1] <= 6 and batch.tgt_in.shape[1] <= 6
-    check_batch(batch, [split.src(i)[:5] for i in indices], [split.tgt(i)[:5] for i in indices])
-
-
-def test_collate_reads_a_prepared_split(tmp_path, tiny_corpus):
-    data = prepare(make_config(tmp_path, {"path": str(tiny_corpus)}), log=lambda *_: None)
-    train = data.split("train")
-    batches = batch_indices(train.src_lens, train.tgt_lens, 256, seed=1, epoch=0)
-    for b in batches[:5]:
-        batch = collate(train, b)
-        check_batch(batch, [train.src(i) for i in b], [train.tgt(i) for i in b])
-        assert batch.src.shape[0] * batch.src.shape[1] <= 256 and batch.tgt_in.numel() <= 256
+    assert prepare(cfg).folder != first.folder
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The shared corpora
 
 
-def test_multi30k_local_files(shared_data, tmp_path):
+@pytest.mark.slow
+def test_multi30k_local_files(shared_data, tmp_path, log):
     folder = shared_data / "multi30k"
     overrides = [f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=2000"]
     cfg = load_config("multi30k.yaml", overrides)
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
     splits = data.meta["splits"]
     assert {role: s["total"] for role, s in splits.items()} == {"train": 29_000, "valid": 1_014, "test": 1_000}
     assert splits["valid"]["kept"] == 1_014 and splits["test"]["kept"] == 1_000
@@ -710,17 +566,20 @@ def test_multi30k_local_files(shared_data, tmp_path):
     assert sum(d == r for d, r in zip(decoded, test.texts()[1])) >= 0.99 * len(decoded)
 
     train = data.split("train")
-    batches = batch_indices(train.src_lens, train.tgt_lens, cfg.train.max_tokens, cfg.train.seed, 0)
+    batches = epoch_batches(train.src_lens, train.tgt_lens, cfg.train.max_tokens, cfg.train.seed, 0)
     assert cfg.train.max_tokens == 4096
-    assert padding_efficiency(batches, train.src_lens, train.tgt_lens)["all"] >= 0.9
+    padding = padding_counts(batches, train.src_lens) + padding_counts(batches, train.tgt_lens)
+    assert padding.efficiency >= 0.9
 
-    start, log = time.monotonic(), []
-    again = prepare(load_config("multi30k.yaml", overrides), log=log.append)
+    start = time.monotonic()
+    log.clear()
+    again = prepare(load_config("multi30k.yaml", overrides))
     assert again.folder == data.folder and "cached" in log[0]
     assert time.monotonic() - start < 3
 
 
-def test_tatoeba_local_files_without_test_split(shared_data, tmp_path):
+@pytest.mark.slow
+def test_tatoeba_local_files_without_test_split(shared_data, tmp_path, log):
     folder = shared_data / "tatoeba-zh-en"
     overrides = [
         f"data.path={folder}",
@@ -728,8 +587,8 @@ def test_tatoeba_local_files_without_test_split(shared_data, tmp_path):
         "data.vocab_size=4000",  # the corpus has over 2,300 distinct Chinese characters
         "data.splits.valid=valid",
     ]
-    log = []
-    data = prepare(load_config("opus100-en-zh.yaml", overrides), log=log.append)
+    log.clear()
+    data = prepare(load_config("opus100-en-zh.yaml", overrides))
     assert data.roles == ["train", "valid"]
     assert data.meta["splits"]["train"]["total"] == 27_054 and data.meta["splits"]["valid"]["kept"] == 1_000
     assert any("skipping" in line and "test" in line for line in log)
@@ -762,6 +621,7 @@ def test_toy_corpus_sizes_disjoint_and_required_pair():
         toy_pairs(n_train=10**6)
 
 
+@pytest.mark.slow
 def test_toy_corpus_is_the_same_in_another_process(tmp_path):
     write_toy_corpus(tmp_path / "here")
     code = "import sys; from mtcli.toy import write_toy_corpus; write_toy_corpus(sys.argv[1])"
@@ -783,7 +643,7 @@ def test_toy_corpus_is_the_same_in_another_process(tmp_path):
 
 def test_toy_config_prepares(tmp_path):
     cfg = load_config("toy.yaml", [f"data.cache_dir={tmp_path / 'cache'}"])
-    data = prepare(cfg, log=lambda *_: None)
+    data = prepare(cfg)
     assert {role: s["kept"] for role, s in data.meta["splits"].items()} == {"train": 4000, "valid": 200, "test": 200}
     assert (tmp_path / "cache" / "toy-corpus" / "train.zh").is_file()
     expected = toy_pairs()["test"]

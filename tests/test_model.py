@@ -111,18 +111,45 @@ def test_cache_groups_beams_and_reorders():
     assert cache.layers[0].k.shape[0] == 3 and cache.layers[0].cross_k.shape[0] == 1
 
 
-def test_one_token_step_is_not_causal_masked():
-    """A one-token step must see every cached position; with is_causal=True SDPA would let it see only the first."""
-    model = make_model("pre")
-    src, mask = make_batch([5])
+def test_sdpa_causal_mask_is_top_left_aligned():
+    """The trap the next test guards against: with one query and several keys, is_causal=True lets the query see
+    only the first key, not all of them."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(causal, v[:, :, :1])  # attends to key 0 alone
+    assert not torch.allclose(causal, F.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("norm", ["post", "pre"])
+def test_one_token_step_sees_every_cached_position(norm):
+    """A one-token step at position t gives the full causal decode's output at t, for several t: it must attend to
+    all t + 1 written positions (with is_causal=True it would see only the first, see the test above)."""
+    model = make_model(norm)
+    src, mask = make_batch([5, 7])
     memory = model.encode(src, mask)
-    cache = KVCache.for_model(model, rows=1, max_len=8, device="cpu")
-    model.decode(torch.tensor([[BOS]]), memory, mask, cache)
-    with_history = model.decode(torch.tensor([[7]]), memory, mask, cache)
-    fresh = KVCache.for_model(model, rows=1, max_len=8, device="cpu")
-    model.decode(torch.tensor([[BOS + 10]]), memory, mask, fresh)
-    other_history = model.decode(torch.tensor([[7]]), memory, mask, fresh)
-    assert not torch.allclose(with_history, other_history)  # the step attends to position 0, not only itself
+    tgt = torch.randint(4, VOCAB, (2, 7))
+    tgt[:, 0] = BOS
+    full = model.decode(tgt, memory, mask)
+    layer = model.decoder[0].self_attn
+    x = torch.randn(2, 7, model.cfg.d_model)
+    reference = layer(x, causal=True)  # the whole prefix at once
+    layer_cache = KVCache.for_model(model, rows=2, max_len=8, device="cpu").layers[0]
+    cache = KVCache.for_model(model, rows=2, max_len=8, device="cpu")
+    for t in range(7):
+        step = model.decode(tgt[:, t : t + 1], memory, mask, cache)
+        torch.testing.assert_close(step[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+        one = layer(x[:, t : t + 1], causal=True, cache=layer_cache, start=t)
+        torch.testing.assert_close(one[:, 0], reference[:, t], atol=1e-5, rtol=1e-5)
+        if t > 0:  # the step differs from attending to position 0 alone, so the check can see that mistake
+            only_first = F.scaled_dot_product_attention(*_step_qkv(layer, x, t), is_causal=True)
+            assert not torch.allclose(layer.out(only_first.transpose(1, 2).flatten(2))[:, 0], one[:, 0], atol=1e-4)
+
+
+def _step_qkv(layer, x, t):
+    """The query of position t and the keys/values of positions 0..t, as the attention layer computes them."""
+    q, k, v = layer.qkv(x[:, : t + 1]).view(x.shape[0], t + 1, 3, layer.heads, -1).permute(2, 0, 3, 1, 4)
+    return q[:, :, t:], k, v
 
 
 def test_multi_token_call_on_a_filled_cache_is_refused():

@@ -154,6 +154,7 @@ def random_sources(lengths, seed=3, generator=None):
     return src, src == PAD
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lenpen", [0.0, 0.6])
 def test_beam_one_equals_greedy_on_a_transformer(lenpen, reverse_model):
     model = reverse_model
@@ -165,6 +166,7 @@ def test_beam_one_equals_greedy_on_a_transformer(lenpen, reverse_model):
     assert any(len(g.tokens) < int(m) for g, m in zip(greedy, max_lens))  # some end by EOS, not only the limit
 
 
+@pytest.mark.slow
 def test_beam_is_never_worse_than_greedy_under_the_same_scoring(reverse_model):
     model = reverse_model
     lengths = [3, 6, 8, 4, 5, 7, 8, 8, 2, 6, 7, 5]
@@ -178,6 +180,7 @@ def test_beam_is_never_worse_than_greedy_under_the_same_scoring(reverse_model):
         assert b[0].score >= greedy_score - 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_a_sentence_result_does_not_depend_on_its_batch(search, reverse_model):
     model = reverse_model
@@ -223,6 +226,7 @@ def test_no_repeat_ngram_blocks_repeats():
     assert free != blocked
 
 
+@pytest.mark.slow
 def test_sampling_top_k_one_is_greedy_and_respects_max_length(reverse_model):
     model = reverse_model
     lengths = [5, 3, 8]

@@ -1,0 +1,117 @@
+"""Processes: which rank this is (torchrun sets the environment; one process otherwise), collective helpers that work
+on gloo and NCCL alike, the one-process-prepares rule for the data cache, and the SIGINT/SIGTERM stop request.
+
+Multi-GPU and multi-node runs go through `torchrun` (NCCL on GPUs, gloo on CPU); there is no launcher here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mtcli.config import Config
+from mtcli.data import PreparedData, cache_folder, prepare
+from mtcli.device import resolve_device
+from mtcli.log import logger
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls, device_name: str) -> tuple[Dist, torch.device]:
+        """The process group torchrun describes in the environment (joined here), or a single process."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            device = resolve_device(device_name)
+            if device.type == "cuda" and device.index is not None:
+                torch.cuda.set_device(device)  # so RNG state saved and restored is this GPU's
+            return cls(), device
+        d = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
+        device = resolve_device(device_name)
+        if device.type == "cuda":
+            device = torch.device("cuda", d.local_rank)
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
+        return d, device
+
+    def all_reduce_max(self, value: int) -> int:
+        if self.world == 1:
+            return value
+        flag = torch.tensor([value], device=comm_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+    def broadcast(self, values: list[float]) -> list[float]:
+        """Rank 0's values on every rank (float64, so step counts and scores survive exactly)."""
+        if self.world == 1:
+            return values
+        tensor = torch.tensor(values, dtype=torch.float64, device=comm_device())
+        dist.broadcast(tensor, src=0)  # fills the tensor in place, on the device NCCL needs
+        return tensor.tolist()
+
+    def gather_objects(self, obj) -> list:
+        """`obj` from every rank, in rank order (e.g. RNG states, which every rank's checkpoint entry needs)."""
+        if self.world == 1:
+            return [obj]
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def comm_device() -> torch.device:
+    """Where collective tensors must live: NCCL needs a GPU tensor, gloo a CPU one."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def prepare_once(cfg: Config, d: Dist) -> PreparedData:
+    """Local rank 0 builds the data cache; the other processes on the node wait for it, then read it."""
+    if d.local_rank == 0:
+        return prepare(cfg)
+    meta = cache_folder(cfg.data) / "meta.json"
+    while not meta.is_file():
+        time.sleep(2)
+    return prepare(cfg)
+
+
+class StopSignal:
+    """SIGINT/SIGTERM ask the loop to finish the current update, save and stop; a second Ctrl-C stops at once."""
+
+    def __init__(self):
+        self.name: str | None = None
+        self.previous = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. inside a test runner's worker): no handlers
+                pass
+
+    def _handle(self, signum, frame):
+        if self.name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+        logger.warning(f"\n{self.name}: finishing this update, then saving a checkpoint (Ctrl-C again to abort)")
+
+    def requested(self, d: Dist) -> bool:
+        """Whether any rank was signalled; all ranks then stop at the same update."""
+        flag = d.all_reduce_max({None: 0, "SIGINT": 1, "SIGTERM": 2}[self.name])
+        if flag and self.name is None:
+            self.name = "SIGTERM" if flag == 2 else "SIGINT"
+        return flag > 0
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
