@@ -19,6 +19,28 @@ def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor,
     return x.view(B, T, parts, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)  # parts x (B, H, T, D)
 
 
+def _attend(q, k, v, mask, causal: bool, dropout: float) -> torch.Tensor:
+    """SDPA, except on CPU under autocast: there, batched matrix products with an fp32 softmax. The CPU flash
+    kernel's bf16 backward runs tiny matrix products one (sentence, head, block) at a time, and was ~5x slower than
+    fp32 on the benchmark's shapes (sentences of ~15-50 tokens); in fp32 it was still ~1.2-1.5x slower than this.
+    GPUs keep SDPA's flash/efficient kernels."""
+    if q.dtype != k.dtype:  # a bf16 model decoding with an fp32 cache (see KVCache.for_model)
+        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
+        return y.to(q.dtype)
+    if q.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
+    scores = (q @ k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, T, S) in the autocast dtype
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if causal:  # top-left aligned, as SDPA's is_causal
+        T, S = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout:
+        weights = F.dropout(weights, dropout)
+    return weights @ v
+
+
 def _merge_heads(y: torch.Tensor) -> torch.Tensor:
     B, H, T, D = y.shape
     return y.transpose(1, 2).reshape(B, T, H * D)  # (B, T, H*D)
@@ -51,9 +73,7 @@ class SelfAttention(nn.Module):
         # one-token step attends to every cached position, and a multi-token call must start at an empty cache.
         if causal and T > 1 and start > 0:
             raise ValueError("a multi-token decoder call with a cache must start at position 0")
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal and T > 1, dropout_p=self.dropout if self.training else 0.0
-        )
+        y = _attend(q, k, v, mask, causal and T > 1, self.dropout if self.training else 0.0)
         return self.out(_merge_heads(y))
 
 
@@ -74,6 +94,7 @@ class CrossAttention(nn.Module):
         else:
             k, v = _split_heads(self.kv(memory), 2, self.heads)  # each (B, H, S, D)
             if cache is not None:
+                k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
                 cache.cross_k, cache.cross_v = k, v
         (q,) = _split_heads(self.q(x), 1, self.heads)  # (N, H, T, D)
         N, H, T, D = q.shape
@@ -81,7 +102,7 @@ class CrossAttention(nn.Module):
         beams = N // B
         if beams > 1:  # a sentence's beams become extra query rows against its one copy of the keys/values
             q = q.view(B, beams, H, T, D).transpose(1, 2).reshape(B, H, beams * T, D)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        y = _attend(q, k, v, mask, False, self.dropout if self.training else 0.0)
         if beams > 1:
             y = y.view(B, H, beams, T, D).transpose(1, 2).reshape(N, H, T, D)
         return self.out(_merge_heads(y))

@@ -196,6 +196,9 @@ class DecodeConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    # auto: bf16 weights and cache where the device has fast bf16 (CUDA, CPUs with AMX), else fp32; int8: dynamic
+    # quantization of the linear layers, an option for CPUs without bf16 units
+    precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
 
     def __post_init__(self):
         _check(self.beam >= 1, "decode.beam", "must be at least 1")

@@ -19,6 +19,7 @@ from torch import nn
 from mtcli.model import Transformer
 
 CHUNK_ROWS = 1024
+PAD_ROWS = 64
 
 
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
@@ -33,16 +34,25 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, hidden, weight, labels, eps, needs_grad, dtype):
         N, V = hidden.shape[0], weight.shape[0]
-        hidden_dtype, hidden = hidden.dtype, hidden.to(dtype)
+        hidden_dtype = hidden.dtype
+        if hidden.device.type == "cpu" and dtype != torch.float32:
+            # CPU bf16 products run oneDNN kernels built for each exact shape (~5-10 ms per new one), and the last
+            # chunk's row count is new almost every batch: zero rows round it up to a multiple of PAD_ROWS. They add
+            # nothing to grad_weight (their h is 0); their losses and grad_hidden rows are dropped.
+            padded = -(-N // PAD_ROWS) * PAD_ROWS
+            hidden = torch.cat([hidden.to(dtype), hidden.new_zeros(padded - N, hidden.shape[1], dtype=dtype)])
+            labels = torch.cat([labels, labels.new_zeros(padded - N)])
+        else:
+            hidden = hidden.to(dtype)
         w = weight.to(dtype)
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
         # One logits buffer for every chunk, written by the matrix product and then in place: a fresh (n, V)
         # tensor per chunk costs page faults on CPU and allocator traffic on GPU.
-        buffer = torch.empty(min(N, CHUNK_ROWS), V, dtype=torch.float32, device=hidden.device)
+        buffer = torch.empty(min(hidden.shape[0], CHUNK_ROWS), V, dtype=torch.float32, device=hidden.device)
         w_sum = w.sum(dim=0, dtype=torch.float32).to(w.dtype) if needs_grad else None
-        for start in range(0, N, CHUNK_ROWS):
+        for start in range(0, hidden.shape[0], CHUNK_ROWS):
             h, y = hidden[start : start + CHUNK_ROWS], labels[start : start + CHUNK_ROWS]
             n = h.shape[0]
             logits = buffer[:n]
@@ -57,7 +67,7 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(m).exp_()  # unnormalised, in place of the logits
             sum_exp = probs.sum(dim=1)
             lse = m.squeeze(1) + sum_exp.log()
-            total += (lse - (1 - eps) * target - eps * mean_logit).sum()
+            total += (lse - (1 - eps) * target - eps * mean_logit)[: N - start].sum()
             if not needs_grad:
                 continue
             # d loss / d z = softmax(z) - (1 - eps) * onehot(y) - eps / V. The softmax goes through both matrix
@@ -75,7 +85,7 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             grad_weight.index_add_(0, y, h.float(), alpha=-(1 - eps))
             grad_weight.sub_(h.sum(dim=0, dtype=torch.float32), alpha=eps / V)  # broadcast over every row
         if grad_hidden is not None:
-            grad_hidden = grad_hidden.to(hidden_dtype)
+            grad_hidden = grad_hidden[:N].to(hidden_dtype)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total

@@ -146,6 +146,10 @@ class Transformer(nn.Module):
         else:
             positions = self.sinusoids[start : start + T]
         x = embedding(ids) * math.sqrt(self.cfg.d_model) + positions.to(embedding.weight.dtype)
+        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            # CPU autocast: carry the residual stream in the autocast dtype. In fp32 (as on GPUs) every LayerNorm
+            # output is cast down for the next projection and every gradient cast back, a memory pass each way.
+            x = x.to(torch.get_autocast_dtype("cpu"))
         return self.embed_dropout(x)  # (B, T, d)
 
     @staticmethod

@@ -41,8 +41,8 @@ def _step_log_probs(
     model, tokens: torch.Tensor, memory, src_pad_mask, cache: KVCache, step: int, max_lens: torch.Tensor, min_len: int
 ) -> torch.Tensor:
     """Log-probabilities of the next token, (N, V) in float32, with the length constraints applied."""
-    logits = model.decode(tokens, memory, src_pad_mask, cache)[:, -1].float()
-    log_probs = torch.log_softmax(logits, dim=-1)
+    logits = model.decode(tokens, memory, src_pad_mask, cache)[:, -1]
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # reads bf16 logits as they are
     log_probs[:, PAD] = NEG_INF
     log_probs[:, BOS] = NEG_INF
     if step < min_len:
@@ -103,8 +103,9 @@ def beam_search(
 ) -> list[list[Hypothesis]]:
     """Beam search; returns the `nbest` best hypotheses per sentence, best first.
 
-    A sentence's search ends when it has `beam_size` finished hypotheses and no live one scores better at its
-    current length (the usual rule; it also makes beam 1 identical to greedy search), or at its length limit.
+    A sentence's search ends when it has `nbest` finished hypotheses and no live one scores better than the
+    nbest-th at its current length (the usual rule, for the n-best asked for; it also makes beam 1 identical to
+    greedy search), or at its length limit.
     """
     B, k, device = src.shape[0], beam_size, src.device
     # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
@@ -130,7 +131,7 @@ def beam_search(
         # The best 2k of a sentence are among the best 2k of each of its beams: two small top-k's instead of one over
         # k x V entries (a tenth of the step's time at beam 5 with an 8k vocabulary on CPU).
         c = min(2 * k, log_probs.shape[-1])
-        row_scores, row_tokens = log_probs.topk(c, dim=1)  # (n*k, c)
+        row_scores, row_tokens = row_topk(log_probs, c)  # (n*k, c)
         candidates = (scores.view(n, k, 1) + row_scores.view(n, k, c)).view(n, k * c)
         top_scores, top_ids = candidates.topk(c, dim=1)  # (n, c)
         top_beams = top_ids // c
@@ -156,15 +157,16 @@ def beam_search(
         live_scores = top_scores.gather(1, live_order).masked_fill(not_live.gather(1, live_order), NEG_INF)  # (n, k)
         live_beams = top_beams.gather(1, live_order)
         live_tokens = top_tokens.gather(1, live_order)
-        # (6) Which sentences are done: k finished, none of which a live hypothesis beats at its present length.
+        # (6) Which sentences are done: `nbest` finished, the worst of which no live hypothesis beats at its present
+        # length (waiting for k finished when only the best is wanted costs steps, not quality).
         best_live = live_scores[:, 0].tolist()
         is_done = []
         for i, sentence in enumerate(sentences.tolist()):
             hyps = finished[sentence]
-            if len(hyps) >= k:
+            if len(hyps) >= nbest:
                 hyps.sort(key=lambda h: -h.score)
                 del hyps[k:]
-                is_done.append(best_live[i] / length_penalty(step + 1, lenpen) <= hyps[-1].score)
+                is_done.append(best_live[i] / length_penalty(step + 1, lenpen) <= hyps[nbest - 1].score)
             else:
                 is_done.append(best_live[i] == NEG_INF)  # no live candidates left (e.g. at the length limit)
         done = torch.tensor(is_done, device=device)
@@ -186,6 +188,23 @@ def beam_search(
     for hyps in finished:
         hyps.sort(key=lambda h: -h.score)
     return [hyps[:nbest] for hyps in finished]
+
+
+def row_topk(scores: torch.Tensor, c: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk(scores, c, dim=1), in two cheap passes on a CPU: the c blocks of `block` columns with the highest
+    maxima hold the c best entries of a row, so one vectorised max over the row and a top-k over c x block entries
+    replace a top-k over the whole vocabulary (about 2x faster on 320 x 8,000 scores). Ties may come out in another
+    order; on GPUs, torch.topk as it is."""
+    N, V = scores.shape
+    if scores.device.type != "cpu" or V < 16 * block:
+        return scores.topk(c, dim=1)
+    if V % block:
+        scores = torch.nn.functional.pad(scores, (0, block - V % block), value=NEG_INF)
+    blocks = scores.view(N, -1, block)  # (N, V / block, block)
+    best_blocks = blocks.amax(dim=2).topk(c, dim=1).indices  # (N, c)
+    candidates = blocks.gather(1, best_blocks[:, :, None].expand(-1, -1, block)).view(N, c * block)
+    values, where = candidates.topk(c, dim=1)
+    return values, best_blocks.gather(1, where // block) * block + where % block
 
 
 def _ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) -> None:

@@ -179,6 +179,22 @@ def test_sdpa_attention_matches_reference_and_no_row_is_fully_masked():
     assert torch.isfinite(model.encode(src, mask)).all()
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_autocast_attention_matches_fp32_sdpa(causal):
+    """Under CPU autocast, attention runs as batched products with an fp32 softmax instead of SDPA."""
+    from mtcli.attention import _attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 6, 8, generator=g) for _ in range(3))
+    key_mask = None if causal else torch.tensor([6, 2, 4])[:, None] > torch.arange(6)  # (B, S)
+    mask = None if causal else key_mask[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, causal, 0.0)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
+
+
 def test_three_way_tied_embeddings_are_one_tensor():
     model = make_model()
     assert model.src_embed.weight is model.tgt_embed.weight is model.output.weight

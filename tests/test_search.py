@@ -238,3 +238,18 @@ def test_sampling_top_k_one_is_greedy_and_respects_max_length(reverse_model):
     free = sample(model, src, mask, max_lens, temperature=1.5, top_p=0.9, generator=torch.Generator().manual_seed(1))
     assert all(len(h.tokens) <= int(m) for h, m in zip(free, max_lens))
     assert all(BOS not in h.tokens and PAD not in h.tokens and EOS not in h.tokens for h in free)
+
+
+@pytest.mark.parametrize(("rows", "vocab", "c"), [(7, 8000, 10), (320, 8003, 10), (5, 2000, 2), (3, 100, 4)])
+def test_row_topk_equals_torch_topk(rows, vocab, c):
+    from mtcli.search import row_topk
+
+    g = torch.Generator().manual_seed(rows)
+    scores = torch.randn(rows, vocab, generator=g)  # continuous values: no ties, so the order is unique
+    scores[0, :] = float("-inf")  # a row at its length limit: only EOS is finite
+    scores[0, EOS] = -0.5
+    values, tokens = row_topk(scores, c)
+    expected_values, expected_tokens = scores.topk(c, dim=1)
+    assert torch.equal(values, expected_values)
+    assert torch.equal(tokens[1:], expected_tokens[1:]) and tokens[0, 0] == EOS
+    assert torch.equal(scores.gather(1, tokens), values)

@@ -1,0 +1,146 @@
+"""Precision: what `auto` picks with the CPU's bf16 capability faked both ways, and translation in bf16 and int8
+agreeing with fp32."""
+
+import json
+
+import pytest
+import torch
+
+from mtcli import device
+from mtcli.config import ModelConfig
+from mtcli.device import choose_precision
+from mtcli.errors import MtcliError
+from mtcli.model import Transformer
+from mtcli.search import beam_search, greedy_search, max_output_lengths
+from mtcli.translate import inference_model
+
+CPU = torch.device("cpu")
+
+
+def fake_cpu(monkeypatch, units, speedup):
+    monkeypatch.setattr(device, "cpu_bf16_units", lambda: units)
+    probed = []
+    monkeypatch.setattr(device, "bf16_matmul_speedup", lambda *shape: probed.append(shape) or speedup)
+    return probed
+
+
+def test_auto_picks_bf16_on_a_cpu_with_fast_bf16_units(monkeypatch):
+    probed = fake_cpu(monkeypatch, "AMX", 4.8)
+    assert choose_precision("auto", CPU, 256, 1024) == ("bf16", "AMX; bf16 matmul 4.8x fp32")
+    assert choose_precision("auto", CPU, 256, 1024, training=False)[0] == "bf16"
+    assert probed and all(shape[1:] == (256, 1024) for shape in probed)  # measured at the model's shapes
+
+
+def test_auto_picks_fp32_without_bf16_units_or_when_they_are_not_faster(monkeypatch):
+    probed = fake_cpu(monkeypatch, None, 100.0)
+    assert choose_precision("auto", CPU, 256, 1024) == ("fp32", "this CPU has no bf16 matrix units")
+    assert not probed  # no probe: bf16 without units would take ~100x longer than fp32
+    fake_cpu(monkeypatch, "AVX512-BF16", 1.3)
+    assert choose_precision("auto", CPU, 256, 1024)[0] == "fp32"
+    assert "only 1.3x" in choose_precision("auto", CPU, 256, 1024, training=False)[1]
+
+
+def test_explicit_precisions_are_kept_and_int8_is_for_translation_on_cpu(monkeypatch, log):
+    fake_cpu(monkeypatch, None, 0.01)
+    assert choose_precision("bf16", CPU, 256, 1024) == ("bf16", "as set")
+    assert any("100x slower" in line for line in log)  # forced bf16 without units is allowed, with a warning
+    assert choose_precision("int8", CPU, 256, 1024, training=False) == ("int8", "as set")
+    with pytest.raises(MtcliError, match="translation precision"):
+        choose_precision("int8", CPU, 256, 1024)
+
+
+def test_the_real_probe_is_cached_and_quick():
+    import time
+
+    device.bf16_matmul_speedup.cache_clear()
+    start = time.perf_counter()
+    first = device.bf16_matmul_speedup(512, 64, 128)
+    assert time.perf_counter() - start < 5 and first > 0
+    assert device.bf16_matmul_speedup(512, 64, 128) == first  # cached per process
+
+
+def test_the_probe_leaves_the_global_random_stream_alone():
+    """It runs whenever auto is first resolved, e.g. at a validation: drawing from the global stream there would make
+    a resumed run's dropout masks differ from an uninterrupted run's."""
+    device.bf16_matmul_speedup.cache_clear()
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    device.bf16_matmul_speedup(256, 32, 64)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+@pytest.fixture(scope="module")
+def copy_model():
+    """A small Transformer trained for a few seconds to copy its input: confident enough that precision changes
+    should not change its outputs much."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(layers=2, d_model=64, heads=4, d_ff=128, norm="pre", max_positions=64, dropout=0.0)
+    model = Transformer(cfg, 40, 40, joint_vocab=True)
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        src, mask, tgt_in, tgt_out = copy_batch(32, g)
+        loss = torch.nn.functional.cross_entropy(
+            model(src, mask, tgt_in).flatten(0, 1), tgt_out.flatten(), ignore_index=0
+        )
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model.eval()
+
+
+def copy_batch(n, g):
+    from mtcli.batching import collate
+
+    lengths = torch.randint(2, 12, (n,), generator=g).tolist()
+    seqs = [torch.randint(4, 40, (k,), generator=g).tolist() for k in lengths]
+    batch = collate(seqs, seqs)
+    T = batch.tgt_in.shape[1]
+    tgt_out = torch.zeros(n * T, dtype=torch.long)
+    tgt_out[batch.tgt_index] = batch.labels
+    return batch.src, batch.src_pad_mask, batch.tgt_in, tgt_out.view(n, T)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_bf16_and_int8_translation_agree_with_fp32(copy_model, precision):
+    """Token agreement of greedy and beam-4 outputs with fp32 on 64 sentences: at least 95% of sentences identical
+    (a wrong conversion, cache dtype or quantized layer gives garbage, near 0%)."""
+    if precision == "int8" and "x86" not in torch.backends.quantized.supported_engines:
+        pytest.skip("no x86/fbgemm quantized engine in this torch build")
+    src, mask, _, _ = copy_batch(64, torch.Generator().manual_seed(7))
+    max_lens = max_output_lengths((~mask).sum(1) - 1, 1.5, 5, 64)
+    converted = inference_model(copy_model, precision, copy=True)
+    assert next(copy_model.parameters()).dtype == torch.float32  # copy=True leaves the model as it was
+    for search in (
+        lambda m: greedy_search(m, src, mask, max_lens),
+        lambda m: [h[0] for h in beam_search(m, src, mask, max_lens, 4, 0.6)],
+    ):
+        reference = [h.tokens for h in search(copy_model)]
+        assert sum(ref == src[i, : len(ref)].tolist() for i, ref in enumerate(reference)) >= 48  # it learned to copy
+        outputs = [h.tokens for h in search(converted)]
+        assert sum(a == b for a, b in zip(outputs, reference)) >= 0.95 * len(reference)
+
+
+@pytest.mark.slow
+def test_bf16_training_of_the_toy_model_reaches_the_smoke_threshold(tmp_path):
+    """make smoke's bar (test BLEU >= 80 after toy.yaml's 600 updates), trained in bf16 autocast."""
+    if device.cpu_bf16_units() is None:
+        pytest.skip("this CPU has no bf16 matrix units: bf16 training would take ~100x longer than fp32")
+    from conftest import invoke
+
+    run = tmp_path / "run"
+    invoke(
+        "train",
+        "--config",
+        "toy.yaml",
+        "--run-dir",
+        run,
+        "--set",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "--set",
+        "train.precision=bf16",
+    )
+    assert "precision: bf16 (as set)" in (run / "train.log").read_text()
+    result = json.loads(invoke("eval", "--run", run, "--json").stdout)
+    assert result["bleu"] >= 80, result["bleu"]
