@@ -40,6 +40,10 @@ DecodeSetOpt = typer.Option(
 RunOpt = typer.Option(None, "--run", help="Run directory (default: the latest run under ./runs).")
 CheckpointOpt = typer.Option(None, "--checkpoint", help="A checkpoint folder (default: the run's best).")
 DeviceOpt = typer.Option("auto", help="auto, cpu, cuda or cuda:N.")
+PrecisionOpt = typer.Option(
+    None,
+    help="auto (bf16 where the device has fast bf16, else fp32), fp32, bf16 or int8 (CPU); default decode.precision.",
+)
 
 
 def _version(value: bool) -> None:
@@ -52,11 +56,12 @@ def _version(value: bool) -> None:
 def _main(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ):
-    from mtcli.device import keep_freed_memory
+    from mtcli.device import keep_freed_memory, keep_onednn_kernels
     from mtcli.log import setup_logging
 
     setup_logging()  # messages to stderr, once for every command
     keep_freed_memory()  # process-wide, so chosen here rather than by library code
+    keep_onednn_kernels()
 
 
 @data_app.command("prepare", short_help="Fetch, clean, fit SentencePiece, encode and cache every split.")
@@ -120,6 +125,7 @@ def translate(
     top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: all)."),
     top_p: float = typer.Option(None, "--top-p", help="Sample from the smallest set with this probability."),
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
+    precision: str = PrecisionOpt,
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
 ):
@@ -127,9 +133,17 @@ def translate(
 
     Example: mtcli translate "I love apples"   |   mtcli translate --input news.en --output news.zh --beam 5
     """
+    from mtcli.checkpoint import read_config
     from mtcli.config import with_overrides
     from mtcli.corpus import read_lines
-    from mtcli.translate import Translator, chunked, decode_settings, stdin_chunks, write_translations
+    from mtcli.translate import (
+        Translator,
+        chunked,
+        decode_settings,
+        resolve_checkpoint,
+        stdin_chunks,
+        write_translations,
+    )
 
     if text and text != ["-"] and input_file is not None:
         raise MtcliError("give sentences or --input FILE, not both")
@@ -142,13 +156,14 @@ def translate(
     except OSError as e:
         raise MtcliError(f"--output {output_file}: cannot write ({e.strerror})") from None
     try:
-        translator = Translator.from_run(run, checkpoint, device)
+        ckpt = resolve_checkpoint(run, checkpoint)
         options = dict(beam=beam, nbest=nbest, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
         options |= dict(sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
-        options |= dict(batch_tokens=batch_tokens)
-        decode = decode_settings(with_overrides(translator.config, overrides or [], ("decode",)).decode, **options)
+        options |= dict(batch_tokens=batch_tokens, precision=precision)
+        decode = decode_settings(with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode, **options)
+        translator = Translator.from_checkpoint(ckpt, device, decode.precision)
         if stdin:
-            write_translations(translator, stdin_chunks(), decode, out)
+            write_translations(translator, stdin_chunks(max_chars=translator.max_chars), decode, out)
         elif lines is not None:
             write_translations(translator, chunked(lines), decode, out, total=len(lines))
         else:
@@ -169,6 +184,7 @@ def evaluate(
     lenpen: float = typer.Option(None, help="Length penalty alpha."),
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
     lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive BLEU and chrF (sacreBLEU -lc)."),
+    precision: str = PrecisionOpt,
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -179,16 +195,16 @@ def evaluate(
     """
     from mtcli.checkpoint import run_of
     from mtcli.config import with_overrides
+    from mtcli.evaluate import eval_config, evaluation_set
     from mtcli.evaluate import evaluate as run_eval
-    from mtcli.evaluate import evaluation_set
-    from mtcli.translate import Translator, decode_settings
+    from mtcli.translate import Translator, decode_settings, resolve_checkpoint
 
-    translator = Translator.from_run(run, checkpoint, device)
-    cfg = translator.config
+    ckpt = resolve_checkpoint(run, checkpoint)
+    cfg = with_overrides(eval_config(ckpt, run if checkpoint is not None else None), overrides or [], ("decode",))
     sources, references, stem = evaluation_set(cfg, split, src, ref)
-    decode = with_overrides(cfg, overrides or [], ("decode",)).decode
-    decode = decode_settings(decode, beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, nbest=1, sampling=False)
-    ckpt = translator.checkpoint
+    options = dict(beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, precision=precision)
+    decode = decode_settings(cfg.decode, nbest=1, sampling=False, **options)
+    translator = Translator.from_checkpoint(ckpt, device, decode.precision)
     out_dir = run_of(ckpt) / "eval"
     result = run_eval(translator, sources, references, decode, out_dir, f"{stem}.{ckpt.name}", lowercase, True)
     result["checkpoint"] = str(ckpt)
@@ -197,6 +213,7 @@ def evaluate(
     else:
         print(f"{result['bleu_detail']}  [{result['signature']}]")
         print(f"chrF2 = {result['chrf']:.2f}  [{result['chrf_signature']}]")
+        print(f"precision: {result['precision']}, beam {result['beam']}, length penalty {result['lenpen']}")
         print(f"hypotheses: {result['hypotheses']}\nreferences: {result['references']}")
         print(f"check: {result['command']}")
 
@@ -216,6 +233,56 @@ def average(
     from mtcli.checkpoint import average_last
 
     print(average_last(run, last, output))
+
+
+@app.command(short_help="Export a checkpoint to Hugging Face Transformers or CTranslate2.")
+def export(
+    run: Path = RunOpt,
+    checkpoint: Path = CheckpointOpt,
+    format: str = typer.Option(..., "--format", help="hf (Transformers model + tokenizer) or ctranslate2."),
+    out: Path = typer.Option(..., "--out", help="Folder to write."),
+    quantization: str = typer.Option(
+        "none", help="CTranslate2 weights: none (float32), int8, int8_float32, float16, bfloat16, int8_bfloat16."
+    ),
+):
+    """Export a checkpoint: a Hugging Face Transformers directory (AutoModelForSeq2SeqLM + AutoTokenizer) or a
+    CTranslate2 model directory with the SentencePiece model beside it. Needs: pip install 'mtcli[export]'.
+
+    Example: mtcli export --run runs/toy --format hf --out toy-hf
+    (or --format ctranslate2 --quantization int8 --out toy-ct2)
+    """
+    from mtcli.export import export_ctranslate2, export_hf
+    from mtcli.translate import resolve_checkpoint
+
+    if format not in ("hf", "ctranslate2"):
+        raise MtcliError(f"--format {format}: choose hf or ctranslate2")
+    if format == "hf" and quantization != "none":
+        raise MtcliError("--quantization applies to --format ctranslate2 only")
+    ckpt = resolve_checkpoint(run, checkpoint)
+    print(export_hf(ckpt, out) if format == "hf" else export_ctranslate2(ckpt, out, quantization))
+
+
+@app.command(short_help="Draw the cross-attention of a translation as a heat map.")
+def attention(
+    sentence: str = typer.Argument(..., help="The sentence to translate."),
+    out: Path = typer.Option(..., "--out", "-o", help="Picture to write (.png, .svg or .pdf)."),
+    run: Path = RunOpt,
+    checkpoint: Path = CheckpointOpt,
+    layer: int = typer.Option(None, help="Decoder layer, from 0 (default: the mean over layers)."),
+    head: int = typer.Option(None, help="Attention head, from 0 (default: the mean over heads)."),
+    device: str = DeviceOpt,
+):
+    """Translate a sentence (greedy) and draw which source pieces each output piece attended to. Needs matplotlib:
+    pip install 'mtcli[plot]'.
+
+    Example: mtcli attention "I love apples" --run runs/toy --out attn.png --layer 1
+    """
+    from mtcli.pictures import cross_attention, plot_attention
+    from mtcli.translate import Translator
+
+    result = cross_attention(Translator.from_run(run, checkpoint, device, precision="fp32"), sentence)
+    print(result.translation)
+    print(plot_attention(result, out, layer, head))
 
 
 def main() -> None:

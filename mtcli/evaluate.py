@@ -15,12 +15,13 @@ import torch
 from sacrebleu.metrics import BLEU, CHRF
 
 from mtcli.batching import collate, epoch_batches
-from mtcli.config import Config, DecodeConfig
+from mtcli.checkpoint import read_config, run_of
+from mtcli.config import Config, DecodeConfig, load_config
 from mtcli.corpus import read_lines
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
 from mtcli.loss import projection_cross_entropy, target_states
-from mtcli.translate import Translator
+from mtcli.translate import Translator, inference_model, translation_precision
 
 CHINESE = {"zh", "zh-cn", "zh-tw", "zho", "cmn"}
 
@@ -80,10 +81,29 @@ def evaluate(
             "sentences": len(sources),
             "beam": decode.beam,
             "lenpen": decode.lenpen,
+            "precision": translator.precision,
             "command": f"sacrebleu {ref_path} -i {hyp_path} -m bleu chrf{flags}",
         }
     )
     return result
+
+
+def eval_config(checkpoint: Path, run: Path | None) -> Config:
+    """The checkpoint's own config; when --run names another run as well, with that run's data settings (its test
+    and valid splits), after checking that the checkpoint was trained with the run's SentencePiece model."""
+    config = read_config(checkpoint)
+    if run is None or run_of(checkpoint).resolve() == Path(run).resolve():
+        return config
+    run_spm, ckpt_folder = Path(run) / "spm.model", Path(checkpoint)
+    ckpt_spm = (ckpt_folder if ckpt_folder.is_dir() else ckpt_folder.parent) / "spm.model"
+    if not run_spm.is_file() or not (Path(run) / "config.yaml").is_file():
+        raise MtcliError(f"--run {run}: not a run directory (no config.yaml and spm.model)")
+    if not ckpt_spm.is_file() or ckpt_spm.read_bytes() != run_spm.read_bytes():
+        raise MtcliError(
+            f"--checkpoint {checkpoint} was trained with another vocabulary than run {run} ({ckpt_spm} differs "
+            f"from {run_spm}); evaluate it without --run (on its own run's data), or pick a checkpoint of {run}"
+        )
+    return config.replace(data=load_config(Path(run) / "config.yaml").to_dict()["data"])
 
 
 def evaluation_set(config: Config, split: str | None, src: Path | None, ref: Path | None) -> tuple[list, list, str]:
@@ -129,6 +149,8 @@ def validation_bleu(model, tokenizer, split, cfg: Config, device) -> float:
     sources, references = split.texts()
     if cfg.train.valid_max_sentences:
         sources, references = sources[: cfg.train.valid_max_sentences], references[: cfg.train.valid_max_sentences]
-    translator = Translator(model, tokenizer, cfg, device)
+    # The precision `mtcli eval` picks by default, on a converted copy: the logged score is what eval repeats.
+    precision = translation_precision(cfg.decode.precision, cfg.model, device)
+    translator = Translator(inference_model(model, precision, copy=True), tokenizer, cfg, device, precision)
     decode = dataclasses.replace(cfg.decode, beam=1, nbest=1, sampling=False)
     return score(translator.translate(sources, decode), references, cfg.data.tgt_lang)["bleu"]

@@ -7,6 +7,7 @@ update; with several processes they are summed over ranks first. Rank 0 alone wr
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,7 @@ class TensorBoard:
     """`log(step, **scalars)` into a run's `tb/` folder; a no-op where disabled (ranks other than 0) or where the
     optional `tensorboard` package is missing (metrics.jsonl holds the same figures)."""
 
-    def __init__(self, folder: Path | None):
+    def __init__(self, folder: Path | None, purge_step: int | None = None):
         self.writer = None
         if folder is None:
             return
@@ -35,7 +36,7 @@ class TensorBoard:
                 "metrics.jsonl in the run directory has the same figures"
             )
             return
-        self.writer = SummaryWriter(str(folder))
+        self.writer = SummaryWriter(str(folder), purge_step=purge_step)
         logger.info(f"TensorBoard: tensorboard --logdir {folder.parent}")
 
     def log(self, step: int, prefix: str = "", **scalars: float) -> None:
@@ -79,7 +80,12 @@ class Metrics:
 
     def __init__(self, run_dir: Path, d: Dist, tc: TrainConfig, first_update: int):
         self.d, self.tc = d, tc
-        self.tb = TensorBoard(run_dir / "tb" if d.main else None)
+        # A run repeats the updates after its checkpoint (or, killed before its first one, starts over): records of
+        # those updates from before the stop go, so that metrics.jsonl and TensorBoard hold one record per update,
+        # as an uninterrupted run's do.
+        self.tb = TensorBoard(run_dir / "tb" if d.main else None, purge_step=first_update + 1)
+        if d.main:
+            _truncate_records(run_dir / "metrics.jsonl", first_update)
         self.file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if d.main else None
         self.pending: list[UpdateRecord] = []
         self.window = Throughput(time.time(), first_update)
@@ -125,3 +131,21 @@ class Metrics:
         self.tb.close()
         if self.file:
             self.file.close()
+
+
+def _truncate_records(path: Path, last_update: int) -> None:
+    """Keep the records of updates up to `last_update` (a killed run may have logged a few beyond its checkpoint)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["update"] <= last_update:
+                keep.append(line)
+        except (ValueError, KeyError, TypeError):  # a line cut by the kill
+            continue
+    if len(keep) != len(lines):
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(keep), encoding="utf-8")
+        os.replace(tmp, path)

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
 SHARED_DATA = Path(__file__).parents[1] / ".." / "shared" / "data"
 
@@ -61,3 +62,35 @@ def log():
     yield lines
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+def invoke(*args, input=None):
+    """Run the mtcli command in-process; it must succeed."""
+    from mtcli.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result
+
+
+@pytest.fixture(scope="session")
+def toy_run(tmp_path_factory):
+    """The toy config, shortened: about half a minute on 2 cores. Runs in ./runs/toy of a scratch folder."""
+    home = tmp_path_factory.mktemp("toy")
+    run = home / "runs" / "toy"
+    invoke(
+        "train",
+        "--config",
+        "toy.yaml",
+        "--run-dir",
+        run,
+        "--set",
+        f"data.cache_dir={home / 'cache'}",
+        "--set",
+        "train.max_updates=300",
+        "--set",
+        "train.valid_every=150",
+        "--set",
+        "train.keep_last=3",
+    )
+    return run

@@ -21,34 +21,11 @@ def invoke(*args, input=None):
     return result
 
 
-@pytest.fixture(scope="session")
-def toy_run(tmp_path_factory):
-    """The toy config, shortened: about half a minute on 2 cores. Runs in ./runs/toy of a scratch folder."""
-    home = tmp_path_factory.mktemp("toy")
-    run = home / "runs" / "toy"
-    invoke(
-        "train",
-        "--config",
-        "toy.yaml",
-        "--run-dir",
-        run,
-        "--set",
-        f"data.cache_dir={home / 'cache'}",
-        "--set",
-        "train.max_updates=300",
-        "--set",
-        "train.valid_every=150",
-        "--set",
-        "train.keep_last=3",
-    )
-    return run
-
-
 def test_help_lists_every_command_and_each_shows_an_example():
     result = invoke("--help")
-    for command in ("data", "train", "translate", "eval", "average"):
+    for command in ("data", "train", "translate", "eval", "average", "export", "attention"):
         assert command in result.output
-    for command in (["data", "prepare"], ["train"], ["translate"], ["eval"], ["average"]):
+    for command in (["data", "prepare"], ["train"], ["translate"], ["eval"], ["average"], ["export"], ["attention"]):
         assert "Example:" in invoke(*command, "--help").output, command
 
 

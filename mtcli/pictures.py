@@ -1,0 +1,117 @@
+"""Attention pictures: which source pieces each target piece looked at, from the real model.
+
+SDPA does not return attention weights, so they are recomputed here, for this purpose only: the sentence is
+translated (greedy), then decoded once more with the output as the target prefix while a forward pre-hook on the
+chosen decoder layers' cross-attention captures its inputs; softmax(QK^T / sqrt(d)) is then computed explicitly from
+those inputs and the layer's own projections. matplotlib is optional: pip install 'mtcli[plot]'.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtcli.errors import MtcliError
+from mtcli.log import logger
+from mtcli.tokenizer import BOS, EOS
+from mtcli.translate import Translator
+
+
+@dataclass
+class CrossAttention:
+    source: list[str]  # source pieces, then "</s>"
+    target: list[str]  # output pieces, then "</s>"
+    weights: torch.Tensor  # (layers, heads, target, source), rows sum to 1
+    translation: str
+
+
+@torch.inference_mode()
+def cross_attention(translator: Translator, sentence: str) -> CrossAttention:
+    """Greedy translation of `sentence` and the cross-attention weights of every decoder layer and head."""
+    model, tokenizer = translator.model, translator.tokenizer
+    if not sentence.strip():
+        raise MtcliError("attention: give a non-empty sentence")
+    best = translator.translate_nbest([sentence], beam=1, sampling=False)[0][0]
+    src_ids = tokenizer.encode_src([sentence.strip()])[0][: translator.max_src_tokens] + [EOS]
+    src = torch.tensor([src_ids], device=translator.device)
+    tgt_in = torch.tensor([[BOS, *best.tokens]], device=translator.device)
+    captured: dict[int, tuple] = {}
+    hooks = [
+        layer.cross_attn.register_forward_pre_hook(lambda mod, args, i=i: captured.__setitem__(i, args))
+        for i, layer in enumerate(model.decoder)
+    ]
+    try:
+        mask = src == -1  # no padding in a batch of one
+        model.decode(tgt_in, model.encode(src, mask), mask)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    weights = torch.stack([_weights(model.decoder[i].cross_attn, *captured[i][:2]) for i in range(len(model.decoder))])
+    pieces = lambda ids: [tokenizer.tgt.id_to_piece(i) for i in ids]  # noqa: E731
+    source = [tokenizer.src.id_to_piece(i) for i in src_ids]
+    return CrossAttention(source, pieces([*best.tokens, EOS]), weights[:, 0].float().cpu(), best.text)
+
+
+def _weights(attn, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
+    """softmax(QK^T / sqrt(D)) of one cross-attention layer, from its inputs: (B, H, T, S)."""
+    B, T, d = x.shape
+    H = attn.heads
+    q = attn.q(x).view(B, T, H, d // H).transpose(1, 2)  # (B, H, T, D)
+    k = attn.kv(memory)[..., :d].view(B, memory.shape[1], H, d // H).transpose(1, 2)  # (B, H, S, D); kv is [k; v]
+    return (q.float() @ k.float().transpose(-1, -2) / math.sqrt(d // H)).softmax(-1)
+
+
+def plot_attention(result: CrossAttention, out: Path, layer: int | None = None, head: int | None = None) -> Path:
+    """A heat map (target pieces down, source pieces across) of one layer and head, or their mean when None."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MtcliError("attention pictures need matplotlib: pip install 'mtcli[plot]'") from None
+    layers, heads = result.weights.shape[:2]
+    for name, value, count in (("--layer", layer, layers), ("--head", head, heads)):
+        if value is not None and not 0 <= value < count:
+            raise MtcliError(f"{name} {value}: this model has {count} (numbered from 0)")
+    w = result.weights if layer is None else result.weights[layer : layer + 1]
+    w = (w if head is None else w[:, head : head + 1]).mean(dim=(0, 1))
+    what = f"layer {layer if layer is not None else 'mean'}, head {head if head is not None else 'mean'}"
+    rows, cols = len(result.target), len(result.source)
+    fig, ax = plt.subplots(figsize=(max(4, 0.45 * cols + 2), max(3, 0.45 * rows + 1.5)))
+    ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=float(w.max()), aspect="auto")
+    ax.set_xticks(range(cols), result.source, rotation=60, ha="right")
+    ax.set_yticks(range(rows), result.target)
+    ax.set_xlabel("source pieces")
+    ax.set_ylabel("output pieces")
+    ax.set_title(f"cross-attention ({what})", fontsize=10)
+    has_font = _use_cjk_font(plt, result.source + result.target)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():
+        if not has_font:
+            warnings.simplefilter("ignore")  # one "missing glyph" warning per character otherwise
+            logger.warning("note: no CJK font found (e.g. apt install fonts-noto-cjk): those labels show as boxes")
+        fig.tight_layout()
+        fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _use_cjk_font(plt, labels: list[str]) -> bool:
+    """Chinese or Japanese pieces need a font that has them: use one if the system has one. False when one is needed
+    and none is found."""
+    if not any(ord(ch) > 0x2E80 for label in labels for ch in label):
+        return True
+    from matplotlib import font_manager
+
+    names = {f.name for f in font_manager.fontManager.ttflist}
+    for candidate in ("Noto Sans CJK SC", "Noto Sans CJK JP", "WenQuanYi Zen Hei", "Droid Sans Fallback"):
+        if candidate in names:
+            plt.rcParams["font.sans-serif"] = [candidate, *plt.rcParams["font.sans-serif"]]
+            return True
+    return False

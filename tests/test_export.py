@@ -1,0 +1,131 @@
+"""Exports and pictures on small trained models: Hugging Face greedy generation gives mtcli's greedy tokens,
+CTranslate2 beam search gives mtcli's best beam hypothesis (float32) and a near-identical BLEU in int8, for a
+pre-norm model (Blenderbot's architecture) and a post-norm one (MarianMT); attention weights recomputed for the
+pictures reproduce what SDPA computed."""
+
+import os
+
+import pytest
+import torch
+from conftest import invoke
+
+from mtcli.checkpoint import best_checkpoint
+from mtcli.data import eval_texts
+from mtcli.errors import MtcliError
+from mtcli.evaluate import score
+from mtcli.translate import Translator
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def post_norm_run(tmp_path_factory):
+    """The toy corpus with a small post-norm model: the MarianMT side of the Hugging Face export."""
+    home = tmp_path_factory.mktemp("post")
+    run = home / "run"
+    sets = {
+        "data.cache_dir": home / "cache",
+        "model.norm": "post",
+        "model.layers": 2,
+        "model.d_model": 64,
+        "model.d_ff": 128,
+        "train.max_updates": 300,
+        "train.valid_every": 300,
+        "train.lr": 3e-3,
+    }
+    invoke(
+        "train", "--config", "toy.yaml", "--run-dir", run, *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
+    )
+    return run
+
+
+@pytest.fixture(params=["pre", "post"])
+def trained(request, toy_run, post_norm_run):
+    run = toy_run if request.param == "pre" else post_norm_run
+    ckpt = best_checkpoint(run)
+    translator = Translator.from_checkpoint(ckpt, "cpu", "fp32")
+    assert translator.config.model.norm == request.param
+    sources, references = eval_texts(translator.config, "test")
+    return ckpt, translator, sources[:100], references[:100]
+
+
+def test_hugging_face_greedy_generation_equals_mtcli_greedy(trained, tmp_path, monkeypatch):
+    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    ckpt, translator, sources, _ = trained
+    out = tmp_path / "hf"
+    invoke("export", "--checkpoint", ckpt, "--format", "hf", "--out", out)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    expected = "MarianMTModel" if translator.config.model.norm == "post" else "BlenderbotForConditionalGeneration"
+    assert type(model).__name__ == expected
+    mtcli_ids = translator.tokenizer.encode_src(sources)
+    assert [tokenizer(s)["input_ids"] for s in sources] == [ids + [3] for ids in mtcli_ids]  # same pieces, + EOS
+    ours = [h[0].tokens for h in translator.translate_nbest(sources, beam=1)]
+    with torch.inference_mode():
+        batch = tokenizer(sources, return_tensors="pt", padding=True)
+        generated = model.generate(**batch, num_beams=1, do_sample=False, max_new_tokens=100)
+    theirs = [[t for t in row[1:].tolist() if t != 0][:-1] for row in generated]  # drop BOS, padding and EOS
+    assert theirs == ours
+    texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    assert texts == translator.tokenizer.decode_tgt(ours)
+
+
+def test_ctranslate2_beam_search_equals_mtcli_and_int8_is_close(trained, tmp_path):
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    ckpt, translator, sources, references = trained
+    pieces = [translator.tokenizer.src.encode(s, out_type=str) for s in sources]
+    ours = translator.translate_nbest(sources, beam=4, lenpen=0.0)  # CTranslate2 has no GNMT length penalty
+    results = {}
+    for quantization in ("none", "int8"):
+        out = tmp_path / f"ct2-{quantization}"
+        invoke("export", "--checkpoint", ckpt, "--format", "ctranslate2", "--quantization", quantization, "--out", out)
+        assert (out / "model.bin").is_file() and (out / "spm.model").is_file()
+        engine = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
+        found = engine.translate_batch(pieces, beam_size=4, length_penalty=0.0, max_decoding_length=200)
+        results[quantization] = [translator.tokenizer.tgt.decode_pieces(r.hypotheses[0]) for r in found]
+    assert results["none"] == [h[0].text for h in ours]
+    fp32_bleu = score(results["none"], references, "zh")["bleu"]
+    assert abs(score(results["int8"], references, "zh")["bleu"] - fp32_bleu) < 2.0
+
+
+def test_export_refuses_what_it_cannot_hold_and_names_the_extra(toy_run, tmp_path, monkeypatch):
+    with pytest.raises(MtcliError, match="hf or ctranslate2"):
+        from typer.testing import CliRunner
+
+        from mtcli.cli import app
+
+        CliRunner().invoke(
+            app, ["export", "--run", str(toy_run), "--format", "onnx", "--out", str(tmp_path)], catch_exceptions=False
+        )
+    import mtcli.export as export
+
+    monkeypatch.setattr(
+        export, "_need", lambda name: (_ for _ in ()).throw(MtcliError(f"pip install 'mtcli[export]' ({name})"))
+    )
+    with pytest.raises(MtcliError, match=r"mtcli\[export\]"):
+        export.export_hf(best_checkpoint(toy_run), tmp_path / "hf")
+
+
+def test_attention_weights_reproduce_sdpa_and_make_a_picture(toy_run, tmp_path):
+    from mtcli.pictures import _weights, cross_attention, plot_attention
+
+    translator = Translator.from_checkpoint(best_checkpoint(toy_run), "cpu", "fp32")
+    result = cross_attention(translator, "I love apples")
+    layers, heads = translator.config.model.n_decoder_layers, translator.config.model.heads
+    assert result.translation == "我喜欢苹果"
+    assert result.weights.shape == (layers, heads, len(result.target), len(result.source))
+    torch.testing.assert_close(result.weights.sum(-1), torch.ones(layers, heads, len(result.target)))
+    # The recomputed weights times the values are what the layer's SDPA call produced.
+    attn = translator.model.decoder[0].cross_attn
+    x, memory = torch.randn(1, 4, attn.q.in_features), torch.randn(1, 6, attn.q.in_features)
+    d = x.shape[-1]
+    v = attn.kv(memory)[..., d:].view(1, 6, attn.heads, -1).transpose(1, 2)
+    explicit = (_weights(attn, x, memory) @ v).transpose(1, 2).reshape(1, 4, d)
+    torch.testing.assert_close(attn.out(explicit), attn(x, memory, None), atol=1e-5, rtol=1e-4)
+    pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    picture = plot_attention(result, tmp_path / "attn.png", layer=0)
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 2000
+    with pytest.raises(MtcliError, match="--head 9"):
+        plot_attention(result, tmp_path / "bad.png", head=9)
+    assert not os.path.exists(tmp_path / "bad.png")
