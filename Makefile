@@ -4,9 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The torch requirement; CI passes torch==2.13.0 (this machine's CPU build). Default: whatever pip picks.
 TORCH ?= torch
+# Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib.
+EXTRAS ?= dev,tensorboard,export,plot
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast smoke lint bench clean
+.PHONY: install test test-fast smoke lint bench faults clean
 
 install: $(VENV)/.installed
 
@@ -14,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
 test: install
@@ -42,6 +44,12 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/bench.py
+
+# The fault matrix: SIGKILLs (at least 20) with exact resume, full disk, NaN, torchrun restarts, a shared run
+# directory, bad input, a 100 MB stdin; prints its counts. FAULTS_ARGS=--kills N sets the number of kills.
+FAULTS_ARGS ?=
+faults: install
+	$(BIN)/python tests/faults.py $(FAULTS_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data/cache .pytest_cache .ruff_cache benchmarks/cache build *.egg-info

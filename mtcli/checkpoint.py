@@ -12,11 +12,14 @@ checkpoint loadable. The newest `update_*` folder is `last`; `best.json` names t
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import re
 import shutil
+import socket
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -83,40 +86,103 @@ def save_checkpoint(
     config: Config,
     tokenizer: Tokenizer,
     state: dict | None = None,
+    metadata: dict[str, str] | None = None,
     name: str | None = None,
 ) -> Path:
-    """Write checkpoint `name` (default `update_<N>`) atomically; returns its folder."""
+    """Write checkpoint `name` (default `update_<N>`) atomically; returns its folder. A write that fails (a full disk,
+    an unwritable folder) is a one-line error naming the folder and the space needed; earlier checkpoints are left
+    as they were."""
     folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
     final = folder / (name or f"update_{update:08d}")
     tmp = folder / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        metadata = {
-            "config": json.dumps(config.to_dict()),
-            "update": str(update),
-            "src_vocab_size": str(model.src_embed.num_embeddings),
-            "tgt_vocab_size": str(model.output.out_features),
-            "joint_vocab": str(tokenizer.joint),
-        }
-        save_safetensors(model, str(tmp / "model.safetensors"), metadata=metadata)
-        if state is not None:
-            torch.save(state, tmp / "state.pt")
-        tokenizer.copy_to(tmp)
-        for path in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
-        if final.exists():  # the same update saved twice (e.g. a stop right after a validation)
-            old = folder / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        _write_checkpoint(tmp, final, update, model, config, tokenizer, state, metadata or {})
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError("... file write failed")
+        raise MtcliError(_write_error(final, e, model, state is not None)) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _write_checkpoint(tmp: Path, final: Path, update: int, model, config: Config, tokenizer, state, extra) -> None:
+    """Fill `tmp`, make its bytes durable, then rename it to `final` (the step that makes it visible)."""
+    metadata = {
+        **extra,
+        "config": json.dumps(config.to_dict()),
+        "update": str(update),
+        "src_vocab_size": str(model.src_embed.num_embeddings),
+        "tgt_vocab_size": str(model.output.out_features),
+        "joint_vocab": str(tokenizer.joint),
+    }
+    save_safetensors(model, str(tmp / "model.safetensors"), metadata=metadata)
+    if state is not None:
+        torch.save(state, tmp / "state.pt")
+    tokenizer.copy_to(tmp)
+    for path in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+    if final.exists():  # the same update saved twice (e.g. a stop right after a validation)
+        old = final.parent / f".{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)  # and the rename itself
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_error(final: Path, error: OSError, model, with_state: bool) -> str:
+    """What a failed checkpoint write tells the user: the folder, the reason, the space needed and what is left."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    needed = weights * (4 if with_state else 1)  # weights, plus Adam's two moments and the RNG in state.pt
+    folder = final.parent
+    try:
+        free = f"{shutil.disk_usage(folder if folder.exists() else folder.parent).free / 2**20:,.0f} MB free"
+    except OSError:
+        free = "free space unknown"
+    previous = last_checkpoint(folder.parent)
+    keep = f"the last checkpoint, {previous}, is intact" if previous else "no earlier checkpoint was written"
+    reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+    return (
+        f"cannot write checkpoint {final}: {reason} (it needs about {needed / 2**20:,.0f} MB in {folder}; {free}); "
+        f"{keep}. Free some space (or fix the folder's permissions), then resume with --resume"
+    )
+
+
+class RunLock:
+    """An exclusive lock on a run directory while one training process writes it, so a second `mtcli train` on the
+    same directory is refused instead of interleaving checkpoints. The kernel releases it when the process ends,
+    however it ends, so a killed run never leaves a stale lock; the file names the holder for the error message."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self.file = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise MtcliError(
+                f"{run_dir} is being trained by {holder} (lock file {self.path}); wait for it to finish, or "
+                "choose another --run-dir"
+            ) from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
 
 
 def remove_temporary(run_dir: Path) -> None:
@@ -142,6 +208,16 @@ def read_metadata(path: Path) -> dict[str, str]:
             return f.metadata() or {}
     except (OSError, SafetensorError) as e:
         raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+
+
+def read_config(path: Path) -> Config:
+    """The resolved config a checkpoint was trained with (from its metadata; the weights are not read)."""
+    try:
+        return config_from_dict(json.loads(read_metadata(path)["config"]), source="checkpoint metadata")
+    except (KeyError, ValueError) as e:
+        raise MtcliError(
+            f"{_model_file(path)}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})"
+        ) from None
 
 
 def build_model(meta: dict[str, str]) -> tuple[Transformer, Config]:
@@ -182,7 +258,21 @@ def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transfor
 
 
 def load_state(path: Path) -> dict:
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=True)
+    """A training checkpoint's state.pt. weights_only: loading it can never run code; anything but tensors and plain
+    containers (a pickled object, a damaged file) is refused with one line."""
+    state_file = Path(path) / "state.pt"
+    if not state_file.is_file():
+        raise MtcliError(f"{state_file}: missing; this checkpoint holds weights only and cannot be resumed from")
+    try:
+        with warnings.catch_warnings():  # a damaged file can draw a warning before the error: the error says it all
+            warnings.simplefilter("ignore")
+            return torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
+        reason = " ".join(str(e).split())[:200]
+        raise MtcliError(
+            f"{state_file}: refused ({type(e).__name__}: {reason}); it holds something other than mtcli's training "
+            "state, or it is damaged. Resume from an earlier checkpoint or retrain"
+        ) from None
 
 
 def _model_file(path: Path) -> Path:
@@ -266,6 +356,7 @@ class TrainState:
     best_score: float | None = None
     bad_validations: int = 0
     skipped: int = 0  # updates skipped in a row for a non-finite loss (not saved: a resume starts afresh)
+    skipped_total: int = 0  # all updates skipped for a non-finite loss or gradient
 
 
 def rng_state() -> dict:
@@ -283,6 +374,7 @@ def training_payload(state: TrainState, optimizer, scaler, rngs: list[dict]) -> 
         "group": state.next_in_epoch,
         "best_score": state.best_score,
         "bad_validations": state.bad_validations,
+        "skipped_total": state.skipped_total,
         "world_size": len(rngs),
         "optimizer": optimizer.state_dict(),
         "scaler": scaler.state_dict(),
@@ -333,6 +425,7 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
         next_in_epoch=payload["group"],
         best_score=payload["best_score"],
         bad_validations=payload["bad_validations"],
+        skipped_total=payload.get("skipped_total", 0),
     )
 
 

@@ -159,6 +159,10 @@ def _local_layout(cfg: DataConfig, folder: Path, name: str):
 def _load_files(builder: str, path: Path, **kwargs):
     import datasets
 
+    if path.stat().st_size == 0:
+        raise MtcliError(
+            f"{path}: the file is empty; a split needs at least one sentence (check data.path and data.splits)"
+        )
     check_utf8(path)
     datasets.utils.logging.set_verbosity_error()
     with _quiet_progress(), _no_download_count():
@@ -326,7 +330,10 @@ def read_lines(path: Path) -> list[str]:
         raise MtcliError(f"{path}: no such file")
     check_utf8(path)
     with open(path, encoding="utf-8", newline="\n") as f:
-        return [line.rstrip("\n").removesuffix("\r") for line in f]
+        lines = [line.rstrip("\n").removesuffix("\r") for line in f]
+    if lines:
+        lines[0] = lines[0].removeprefix("\ufeff")  # a byte-order mark is not part of the first sentence
+    return lines
 
 
 def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:

@@ -191,10 +191,12 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
 
 
 def clean(line: str | None) -> str:
-    """Whitespace runs (and newlines inside a field) to one space, stripped; None (a JSON null) to empty."""
+    """Whitespace runs (and newlines inside a field) to one space, stripped; None (a JSON null) to empty; a byte-order
+    mark (U+FEFF, which a file may start with) removed."""
     if line is None:
         return ""
-    return " ".join((line if isinstance(line, str) else str(line)).split())  # a JSON number: its text
+    text = line if isinstance(line, str) else str(line)  # a JSON number: its text
+    return " ".join(text.replace("\ufeff", "").split())
 
 
 def split_report(meta: dict, cfg: DataConfig) -> list[str]:
@@ -228,7 +230,10 @@ def _train_tokenizer(train, folder: Path, cfg: DataConfig) -> Tokenizer:
         f"{character_coverage(cfg):g}), fitted on {n:,} of {train.num_rows:,} training pairs"
     )
     if not src_lines or not tgt_lines:
-        raise MtcliError(f"the train split `{train.name}` has no non-empty sentences to fit SentencePiece on")
+        raise MtcliError(
+            f"the train split `{train.name}` ({train.description}) has no non-empty sentences: its lines are all "
+            "blank; check data.path and data.splits.train"
+        )
     if cfg.joint_vocab:
         train_sentencepiece(src_lines + tgt_lines, folder / "spm.model", cfg)
         return Tokenizer(folder / "spm.model")

@@ -15,7 +15,9 @@ checkpoint.py, processes and signals in distributed.py, the loss in loss.py.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ from mtcli.batching import Batch, UpdatePlan, collate, epoch_batches, plan_updat
 from mtcli.checkpoint import TrainState
 from mtcli.config import Config, TrainConfig
 from mtcli.data import EncodedSplit, PreparedData
-from mtcli.device import choose_precision, precision_name
+from mtcli.device import DTYPES, choose_precision, precision_name
 from mtcli.distributed import Dist, StopSignal, prepare_once
 from mtcli.errors import MtcliError
 from mtcli.evaluate import validation_bleu, validation_loss
@@ -170,7 +172,8 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     run_dir = Path(run_dir or Path("runs") / cfg.name)
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    log_file = open_run_dir(run_dir, resume, d)
+    resume = resume or torchrun_restart(run_dir)
+    opened = open_run_dir(run_dir, resume, d)
     stop, run = StopSignal(), None
     try:
         run = start_run(cfg, run_dir, d, device, resume)
@@ -190,14 +193,16 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
             record = UpdateRecord(state.update, step.loss_sum, lr, step.gnorm, plan.tgt_tokens, time.time())
             run.metrics.add(record, plan.padding)
             stop_now = stop.requested(d)
-            if state.update % tc.log_every == 0 or stop_now or state.update == tc.max_updates:
+            valid_due = state.update % tc.valid_every == 0 or state.update == tc.max_updates
+            save_due = valid_due or stop_now or (tc.save_every and state.update % tc.save_every == 0)
+            if state.update % tc.log_every == 0 or save_due:  # a checkpoint never runs ahead of metrics.jsonl
                 run.metrics.flush(state.epoch)
-            if state.update % tc.valid_every == 0 or state.update == tc.max_updates:
+            if valid_due:
                 saved_at = state.update
                 if validate_and_save(run):
                     stopped_by = "early_stopping"
                     break
-            elif tc.save_every and state.update % tc.save_every == 0:
+            elif save_due and not stop_now:
                 saved_at, _ = state.update, save(run)
             if stop_now:
                 stopped_by, saved_at, path = stop.name, state.update, save(run)
@@ -206,31 +211,60 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
         run.metrics.flush(state.epoch)
         if stopped_by == "max_epochs" and saved_at != state.update:  # the last epoch ended between validations
             validate_and_save(run)
+        skipped = f"; {state.skipped_total} update(s) skipped for non-finite gradients" if state.skipped_total else ""
+        logger.info(f"done: {stopped_by} at update {state.update}{skipped}; run directory {run_dir}")
     finally:
         stop.restore()
         if run is not None:
             run.metrics.close()
-        remove_log_file(log_file)
-    logger.info(f"done: {stopped_by} at update {state.update}; run directory {run_dir}")
+        opened.close()
     return TrainResult(run.model, run_dir, state.update, stopped_by)
 
 
-def open_run_dir(run_dir: Path, resume: bool, d: Dist):
-    """Check that the run directory fits the request, create it, and start its train.log (rank 0)."""
-    existing = ckpt.last_checkpoint(run_dir)
-    if existing is not None and not resume:
-        raise MtcliError(
-            f"{run_dir} already holds checkpoints (newest: {existing.name}); continue it with --resume, "
-            "or choose another --run-dir"
-        )
-    if resume and existing is None:
-        raise MtcliError(f"--resume: {run_dir} has no checkpoint to resume from")
+@dataclass
+class OpenRunDir:
+    """What rank 0 holds while it trains into a run directory: the lock, and train.log's handler."""
+
+    lock: ckpt.RunLock | None = None
+    log_file: logging.Handler | None = None
+
+    def close(self) -> None:
+        remove_log_file(self.log_file)
+        if self.lock is not None:
+            self.lock.release()
+
+
+def open_run_dir(run_dir: Path, resume: bool, d: Dist) -> OpenRunDir:
+    """Lock the run directory (rank 0), check that it fits the request, and start its train.log."""
     if not d.main:
         logger.setLevel("WARNING")  # one process reports
-        return None
+        return OpenRunDir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.remove_temporary(run_dir)
-    return add_log_file(run_dir / "train.log")
+    lock = ckpt.RunLock(run_dir)  # before looking inside: another process may be writing it
+    try:
+        existing = ckpt.last_checkpoint(run_dir)
+        if existing is not None and not resume:
+            raise MtcliError(
+                f"{run_dir} already holds checkpoints (newest: {existing.name}); continue it with --resume, "
+                "or choose another --run-dir"
+            )
+        if resume and existing is None:
+            raise MtcliError(f"--resume: {run_dir} has no checkpoint to resume from")
+        ckpt.remove_temporary(run_dir)
+    except MtcliError:
+        lock.release()
+        raise
+    return OpenRunDir(lock, add_log_file(run_dir / "train.log"))
+
+
+def torchrun_restart(run_dir: Path) -> bool:
+    """Whether this is a worker group that torchrun restarted (--max-restarts) after a failure: it then continues
+    from the run's last checkpoint by itself, since torchrun repeats the original command line."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts and ckpt.last_checkpoint(run_dir) is not None:
+        logger.warning(f"torchrun restart {restarts}: resuming from {ckpt.last_checkpoint(run_dir)}")
+        return True
+    return False
 
 
 def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume: bool) -> Run:
@@ -246,8 +280,12 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
     random.seed(tc.seed)
     model = Transformer(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint).to(device)
     logger.info(f"model: {model.num_parameters():,} parameters ({model.describe()})")
-    dtype = choose_precision(tc.precision, device)
-    trainer = Trainer.build(model, tc, dtype, device, d.world)
+    precision, why = choose_precision(tc.precision, device, cfg.model.d_model, cfg.model.d_ff)
+    started = ckpt.read_metadata(ckpt.last_checkpoint(run_dir)).get("train_precision") if resume else None
+    if tc.precision == "auto" and started in DTYPES and started != precision:
+        precision, why = started, f"as the run started; auto would pick {precision} ({why})"  # exact resume
+    logger.info(f"precision: {precision} ({why})")
+    trainer = Trainer.build(model, tc, DTYPES[precision], device, d.world)
     state = TrainState()
     if resume:
         last = ckpt.last_checkpoint(run_dir)
@@ -260,7 +298,7 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
     accum = accumulation_steps(train_split, usable, cfg, d.world)
     logger.info(
         f"training: {len(usable):,} pairs, {accum} micro-batch(es) of <= {tc.max_tokens} tokens per update "
-        f"and process, {d.world} process(es), {precision_name(dtype)} on {device}; up to update {tc.max_updates}"
+        f"and process, {d.world} process(es), {precision} on {device}; up to update {tc.max_updates}"
     )
     metrics = Metrics(run_dir, d, tc, state.update)
     return Run(cfg, run_dir, data, d, trainer, state, metrics, train_split, usable, accum)
@@ -310,7 +348,11 @@ def usable_examples(split: EncodedSplit, cfg: Config) -> np.ndarray:
             "train.max_tokens) are left out"
         )
     if not ok.any():
-        raise MtcliError("no training pair fits model.max_positions and train.max_tokens")
+        shortest = int(np.maximum(split.src_lens, split.tgt_lens).min())
+        raise MtcliError(
+            f"no training pair fits: the shortest needs {shortest} tokens (with EOS/BOS), but train.max_tokens is "
+            f"{cfg.train.max_tokens} and model.max_positions {cfg.model.max_positions}; raise the smaller one"
+        )
     return np.flatnonzero(ok)
 
 
@@ -329,6 +371,7 @@ def skip_nonfinite_update(run: Run) -> None:
     row, naming the last good checkpoint."""
     state, scaler = run.state, run.trainer.scaler
     state.skipped += 1
+    state.skipped_total += 1
     if scaler.is_enabled():
         if scaler.get_scale() < 1e-4:
             raise MtcliError(
@@ -400,4 +443,7 @@ def save(run: Run) -> Path | None:
     if not run.dist.main:
         return None
     payload = ckpt.training_payload(run.state, run.trainer.optimizer, run.trainer.scaler, rngs)
-    return ckpt.save_checkpoint(run.run_dir, run.state.update, run.model, run.cfg, run.data.tokenizer, payload)
+    precision = {"train_precision": precision_name(run.trainer.dtype)}
+    return ckpt.save_checkpoint(
+        run.run_dir, run.state.update, run.model, run.cfg, run.data.tokenizer, payload, precision
+    )

@@ -217,3 +217,9 @@ def test_base_yaml_is_transformer_base():
     assert (d.beam, d.lenpen) == (4, 0.6)
     assert 32_000 <= cfg.data.vocab_size <= 37_000 and cfg.data.joint_vocab
     assert (cfg.data.src_lang, cfg.data.tgt_lang) == ("en", "de")
+
+
+@pytest.mark.parametrize("content", ["- data\n- model\n", "just words\n", "42\n"])
+def test_a_config_that_is_not_a_mapping_names_the_file(tmp_path, content):
+    path = write(tmp_path, content)
+    assert error_of(path) == f"{path}: expected a mapping with sections data, model, train, decode"

@@ -649,3 +649,44 @@ def test_toy_config_prepares(tmp_path):
     expected = toy_pairs()["test"]
     assert data.split("test").texts() == ([en for en, _ in expected], [zh for _, zh in expected])
     assert decode_all(data, data.split("test"))[1] == [zh for _, zh in expected]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files of the kinds that break other toolkits
+
+
+def test_empty_and_blank_training_files_are_one_line_errors(tmp_path):
+    folder = tmp_path / "corpus"
+    write_text_pair(folder, "train", [])
+    with pytest.raises(MtcliError, match=r"train.en: the file is empty"):
+        prepare(make_config(tmp_path, {"path": str(folder)}))
+    (folder / "train.en").write_text("\n \n\n")
+    (folder / "train.de").write_text("\n\n\n")
+    with pytest.raises(MtcliError, match=r"\(train.en \+ train.de\) has no non-empty sentences"):
+        prepare(make_config(tmp_path, {"path": str(folder)}))
+    assert no_leftovers(tmp_path / "cache")
+
+
+def test_byte_order_marks_and_crlf_are_accepted(tmp_path):
+    pairs = tiny_pairs(200, 4)
+    plain, marked = tmp_path / "plain", tmp_path / "marked"
+    write_text_pair(plain, "train", pairs)
+    write_text_pair(marked, "train", pairs)
+    for lang in ("en", "de"):  # a BOM, and Windows line ends
+        text = (marked / f"train.{lang}").read_text(encoding="utf-8").replace("\n", "\r\n")
+        (marked / f"train.{lang}").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    a = prepare(make_config(tmp_path, {"path": str(plain), "spm_normalization": "identity"}))
+    b = prepare(make_config(tmp_path, {"path": str(marked), "spm_normalization": "identity"}))
+    first = lambda data: data.split("train").src(0).tolist()  # noqa: E731
+    assert first(a) == first(b) and len(a.split("train")) == len(b.split("train")) == 200
+    assert clean("\ufeffthe  cat ") == "the cat"
+
+
+def test_a_megabyte_line_is_filtered_and_counted(tmp_path, log):
+    pairs = tiny_pairs(100, 5)
+    folder = tmp_path / "corpus"
+    write_text_pair(folder, "train", [*pairs, (("the cat " * 131_072).strip(), "die Katze")])
+    data = prepare(make_config(tmp_path, {"path": str(folder)}))
+    counts = data.meta["splits"]["train"]
+    assert counts["total"] == 101 and counts["kept"] == 100 and counts["too_long"] == 1
+    assert any("1 over 250 subwords" in line for line in log)

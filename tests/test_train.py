@@ -116,6 +116,22 @@ def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
         )
 
 
+@pytest.mark.parametrize("rows", [5, 1024, 2500])
+def test_fused_projection_loss_under_cpu_bf16_autocast_matches_a_bf16_reference(rows):
+    """The CPU bf16 path pads the rows to a multiple of loss.PAD_ROWS: the padding must not show."""
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, 16, requires_grad=True)
+    weight = (torch.randn(50, 16) * 0.3).requires_grad_()
+    labels = torch.randint(4, 50, (rows,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = projection_cross_entropy(hidden, weight, labels, 0.1)
+    fused.backward()
+    assert hidden.grad.shape == hidden.shape and weight.grad.dtype == torch.float32
+    logits = (hidden.detach().bfloat16() @ weight.detach().bfloat16().t()).float()
+    reference = F.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum")
+    assert float(fused.detach()) == pytest.approx(float(reference), rel=2e-3)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints
 
@@ -152,8 +168,11 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(cache_dir, tmp
         raise OSError("disk full (simulated)")
 
     monkeypatch.setattr(torch, "save", crash)
-    with pytest.raises(OSError, match="simulated"):
+    with pytest.raises(MtcliError) as err:
         ckpt.save_checkpoint(run, 3, result.model, cfg, prepare(cfg).tokenizer, {"update": 3})
+    message = str(err.value)  # the folder, the reason, the space needed, what is left
+    assert "update_00000003" in message and "disk full (simulated)" in message and "MB free" in message
+    assert f"the last checkpoint, {good}, is intact" in message and "--resume" in message
     monkeypatch.undo()
     assert ckpt.last_checkpoint(run) == good
     assert not [p for p in ckpt.checkpoint_dir(run).iterdir() if p.name.startswith(".")]  # temp folder removed

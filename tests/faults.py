@@ -1,0 +1,668 @@
+"""`make faults`: the fault matrix, run and counted (a few minutes on 2 cores; `--kills N` sets the SIGKILL count).
+
+Training and data preparation are killed with SIGKILL at random moments and inside checkpoint and cache writes;
+saves hit a full disk; gradients turn NaN; a torchrun worker dies; two runs share a directory; bad inputs of every
+kind go in; a 100 MB stdin streams through `translate`. Each case checks what the user depends on (loadable
+checkpoints, exact resume, one-line errors with status 2, nothing half-written, bounded memory) and the script
+prints the counts: kills survived, bad inputs tried, peak RSS.
+
+Faults are injected from outside (signals) or by `python tests/faults.py worker FAULT -- <mtcli args>`, which runs
+the real `mtcli` command with one function wrapped: a pause inside a write (so that a kill lands there), a full
+disk, a NaN loss. mtcli itself has no fault hooks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The worker: mtcli with one fault injected
+
+
+def worker(fault: str, args: list[str]) -> None:
+    import errno
+
+    import mtcli.checkpoint
+    import mtcli.data
+    import mtcli.loss
+
+    name, _, arg = fault.partition(":")
+    if name == "slow-save":  # a pause after the weights are written, before the folder is renamed into place
+        original = mtcli.checkpoint.save_safetensors
+
+        def slow(*a, **k):
+            original(*a, **k)
+            time.sleep(float(arg or 0.5))
+
+        mtcli.checkpoint.save_safetensors = slow
+    elif name == "slow-prepare":  # a pause inside the cache write, per split
+        original_encode = mtcli.data._encode_split
+
+        def slow_encode(*a, **k):
+            time.sleep(float(arg or 1.0))
+            return original_encode(*a, **k)
+
+        mtcli.data._encode_split = slow_encode
+    elif name == "enospc-from":  # the Nth checkpoint write and later ones find the disk full
+        original, calls = mtcli.checkpoint.save_safetensors, [0]
+
+        def full(*a, **k):
+            calls[0] += 1
+            if calls[0] >= int(arg):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return original(*a, **k)
+
+        mtcli.checkpoint.save_safetensors = full
+    elif name in ("nan-at", "nan-from"):  # the loss (and so every gradient) is NaN at these forward calls
+        original_forward, calls = mtcli.loss.LossModel.forward, [0]
+        at = {int(x) for x in arg.split(",")} if name == "nan-at" else set()
+
+        def forward(self, *a):
+            calls[0] += 1
+            loss = original_forward(self, *a)
+            bad = calls[0] in at or (name == "nan-from" and calls[0] >= int(arg))
+            return loss * float("nan") if bad else loss
+
+        mtcli.loss.LossModel.forward = forward
+    sys.argv = ["mtcli", *args]
+    from mtcli.cli import main
+
+    main()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def record(name: str, ok: bool, detail: str = "") -> bool:
+    RESULTS.append((name, ok, detail))
+    print(f"  [{'ok' if ok else 'FAILED'}] {name}{': ' + detail if detail else ''}", flush=True)
+    return ok
+
+
+def mtcli(*args, fault: str | None = None) -> list[str]:
+    head = (
+        [sys.executable, str(Path(__file__).resolve()), "worker", fault, "--"]
+        if fault
+        else [sys.executable, "-m", "mtcli"]
+    )
+    return [*head, *map(str, args)]
+
+
+def run(cmd: list[str], timeout: int = 300, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+
+
+def sets(settings: dict) -> list[str]:
+    return [x for k, v in settings.items() for x in ("--set", f"{k}={v}")]
+
+
+def train_settings(cache: Path, **extra) -> dict:
+    """The toy corpus with a small model in fp32 on one thread: bit-exact across processes, ~20 updates/s."""
+    return {
+        "data.cache_dir": cache,
+        "model.layers": 1,
+        "model.d_model": 48,
+        "model.heads": 2,
+        "model.d_ff": 96,
+        "train.max_updates": 240,
+        "train.valid_every": 80,
+        "train.valid_max_sentences": 20,
+        "train.save_every": 8,
+        "train.keep_last": 1000,
+        "train.log_every": 4,
+        "train.threads": 1,
+        "train.precision": "fp32",
+        **extra,
+    }
+
+
+def losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["update"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def weights(run_dir: Path) -> dict:
+    from mtcli.checkpoint import last_checkpoint, load_model
+
+    return load_model(last_checkpoint(run_dir))[0].state_dict()
+
+
+def checkpoints_sound(run_dir: Path) -> tuple[bool, str]:
+    """Every checkpoint under its final name loads (weights, training state, tokenizer)."""
+    from mtcli.checkpoint import list_checkpoints, load_model, load_state
+    from mtcli.errors import MtcliError
+
+    found = list_checkpoints(run_dir)
+    for path in found:
+        try:
+            load_model(path)
+            load_state(path)
+        except MtcliError as e:
+            return False, f"{path.name}: {e}"
+    return True, f"{len(found)} checkpoints load"
+
+
+def one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> tuple[bool, str]:
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    ok = proc.returncode == 2 and len(lines) == 1 and "Traceback" not in proc.stderr
+    ok = ok and all(n in lines[0] for n in needles)
+    return ok, (lines[0][:160] if lines else f"status {proc.returncode}: {proc.stderr.strip()[-200:]}")
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training and preparation under SIGKILL
+
+
+def kills(work: Path, cache: Path, count: int, rng: random.Random) -> int:
+    """SIGKILL training `count` times (every third kill inside a checkpoint write), resuming after each; then the
+    finished run must equal an uninterrupted one, loss for loss and weight for weight."""
+    print(f"training killed {count} times:", flush=True)
+    reference = work / "reference"
+    settings = train_settings(cache)
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", reference, *sets(settings)), timeout=600)
+    if not record("reference run", proc.returncode == 0, proc.stderr.strip()[-200:] if proc.returncode else ""):
+        return 0
+    survived, round_, run_dir = 0, 0, None
+    while survived < count:
+        if run_dir is None or _finished(run_dir, settings):
+            if run_dir is not None:
+                _compare(run_dir, reference, f"round {round_}")
+            round_ += 1
+            run_dir = work / f"killed-{round_}"
+        from mtcli.checkpoint import last_checkpoint
+
+        resume = ["--resume"] if last_checkpoint(run_dir) is not None else []
+        inside_save = survived % 3 == 2
+        cmd = mtcli(
+            "train",
+            "--config",
+            "toy.yaml",
+            "--run-dir",
+            run_dir,
+            *resume,
+            *sets(settings),
+            fault="slow-save:0.5" if inside_save else None,
+        )
+        child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if inside_save:  # the temporary folder of a checkpoint being written
+            landed = wait_for(lambda folder=run_dir / "checkpoints": _writing(folder), 60)
+        else:
+            time.sleep(rng.uniform(1.5, 6.0))  # start-up is ~3 s: some kills land before the first update
+            landed = True
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        sound, detail = checkpoints_sound(run_dir)
+        survived += bool(
+            record(
+                f"kill {survived + 1}{' inside a checkpoint write' if inside_save else ''}", sound and landed, detail
+            )
+        )
+        if not sound:
+            break
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, "--resume", *sets(settings)), timeout=600)
+    if record(
+        "resume to the end after the last kill",
+        proc.returncode == 0,
+        proc.stderr.strip()[-200:] if proc.returncode else "",
+    ):
+        _compare(run_dir, reference, f"round {round_}")
+    return survived
+
+
+def _writing(folder: Path) -> bool:
+    return folder.is_dir() and any(p.name.startswith(".update_") for p in folder.iterdir())
+
+
+def _finished(run_dir: Path, settings: dict) -> bool:
+    from mtcli.checkpoint import last_checkpoint
+
+    last = last_checkpoint(run_dir)
+    return last is not None and last.name == f"update_{settings['train.max_updates']:08d}"
+
+
+def _compare(run_dir: Path, reference: Path, name: str) -> None:
+    import torch
+
+    same_losses = losses(run_dir) == losses(reference)
+    a, b = weights(run_dir), weights(reference)
+    same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    detail = f"{len(losses(run_dir))} per-update losses and final weights bit-identical"
+    record(
+        f"killed and resumed run ({name}) equals the uninterrupted one",
+        same_losses and same_weights,
+        detail if same_losses and same_weights else f"losses equal: {same_losses}, weights equal: {same_weights}",
+    )
+
+
+def prepare_kills(work: Path, count: int) -> int:
+    """SIGKILL `mtcli data prepare` inside its cache write; the half-written cache must never be taken for a complete
+    one, and the next prepare must build the same cache as an undisturbed one."""
+    print(f"data preparation killed {count} times inside the cache write:", flush=True)
+    cache, clean = work / "prepare-cache", work / "prepare-clean"
+    args = ["data", "prepare", "--config", "toy.yaml"]
+    survived = 0
+    for i in range(count):
+        child = subprocess.Popen(
+            mtcli(*args, "--set", f"data.cache_dir={cache}", fault="slow-prepare:1.0"),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        landed = wait_for(lambda: cache.is_dir() and any(".tmp-" in p.name for p in cache.iterdir()), 60)
+        time.sleep(0.3 * i)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        complete = [p for p in cache.iterdir() if not p.name.startswith(".") and (p / "meta.json").is_file()]
+        complete = [p for p in complete if p.name != "toy-corpus"]
+        survived += record(
+            f"prepare kill {i + 1}",
+            landed and not complete,
+            "no cache under its final name" if not complete else str(complete),
+        )
+    proc = run(mtcli(*args, "--set", f"data.cache_dir={cache}"))
+    ref = run(mtcli(*args, "--set", f"data.cache_dir={clean}"))
+    built = [p for p in cache.iterdir() if (p / "meta.json").is_file() and not p.name.startswith(".")]
+    ref_built = [p for p in clean.iterdir() if (p / "meta.json").is_file() and not p.name.startswith(".")]
+    same = (
+        proc.returncode == 0
+        and ref.returncode == 0
+        and [p.name for p in built] == [p.name for p in ref_built]
+        and all(
+            (a / f).read_bytes() == (b / f).read_bytes()
+            for a, b in zip(built, ref_built)
+            for f in ("train.src.bin", "train.tgt.bin", "spm.model")
+        )
+    )
+    record("prepare after the kills builds what an undisturbed prepare builds", same)
+    return survived
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Full disk, NaN, torchrun, two runs, safety
+
+
+def disk_full(work: Path, cache: Path) -> None:
+    run_dir = work / "enospc"
+    settings = train_settings(cache, **{"train.max_updates": 40})
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *sets(settings), fault="enospc-from:3"))
+    ok, detail = one_line_error(proc, "cannot write checkpoint", "No space left on device", "MB free", "is intact")
+    record("full disk during a save: one-line error naming the path and the space needed", ok, detail)
+    sound, detail = checkpoints_sound(run_dir)
+    record("full disk: the previous checkpoints are intact", sound, detail)
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, "--resume", *sets(settings)))
+    record("full disk: the run resumes once space is back", proc.returncode == 0 and _finished(run_dir, settings))
+
+
+def nonfinite(work: Path, cache: Path) -> None:
+    settings = train_settings(cache, **{"train.max_updates": 30})
+    run_dir = work / "nan"
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *sets(settings), fault="nan-at:5,9,10"))
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").is_file() else ""
+    ok = proc.returncode == 0 and "3 update(s) skipped for non-finite gradients" in log and _finished(run_dir, settings)
+    record(
+        "NaN gradients at 3 updates: skipped and counted, the run finishes",
+        ok,
+        "3 skipped" if ok else proc.stderr[-200:],
+    )
+    run_dir = work / "nan-persistent"
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *sets(settings), fault="nan-from:12"))
+    ok, detail = one_line_error(proc, "non-finite", "Last checkpoint:", "update_00000008")
+    record("persistent NaN: the run stops naming the last good checkpoint", ok, detail)
+
+
+def torchrun_restart(work: Path, cache: Path) -> None:
+    run_dir = work / "torchrun"
+    settings = train_settings(cache, **{"train.max_updates": 120})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "-m",
+        "mtcli",
+        "train",
+        "--config",
+        "toy.yaml",
+        "--run-dir",
+        str(run_dir),
+        *sets(settings),
+    ]
+    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = run_dir / "checkpoints" / "update_00000016"
+    killed = wait_for(first.is_dir, 240, 0.05) and _kill_rank(agent.pid, 1)
+    out, _ = agent.communicate(timeout=600)
+    ok = killed and agent.returncode == 0 and _finished(run_dir, settings)
+    ok = ok and [u for u, _ in losses(run_dir)] == list(range(1, settings["train.max_updates"] + 1))
+    record(
+        "torchrun worker killed: --max-restarts 1 resumes and finishes with the same update count",
+        ok,
+        "restarted and finished at update 120" if ok else out[-300:],
+    )
+
+
+def _kill_rank(agent_pid: int, rank: int) -> bool:
+    """SIGKILL the torchrun worker whose RANK is `rank` (a child of the agent)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            parent = int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        if parent == agent_pid and f"RANK={rank}".encode() in env:
+            os.kill(int(proc.name), signal.SIGKILL)
+            return True
+    return False
+
+
+def two_runs(work: Path, cache: Path) -> None:
+    run_dir = work / "shared-dir"
+    settings = train_settings(cache, **{"train.max_updates": 100000, "train.save_every": 0})
+    first = subprocess.Popen(
+        mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *sets(settings)),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    started = wait_for(
+        lambda: (run_dir / "train.log").is_file() and "training:" in (run_dir / "train.log").read_text(), 120
+    )
+    second = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *sets(settings)))
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    ok, detail = one_line_error(second, "is being trained by process", str(first.pid))
+    record("a second run into a directory in use is refused (lock file with the holder's pid)", started and ok, detail)
+
+
+def pickle_payload(work: Path, cache: Path) -> None:
+    """A state.pt holding an object whose unpickling would write a marker file: refused, marker never written."""
+    run_dir = work / "pickle"
+    settings = train_settings(cache, **{"train.max_updates": 8})
+    run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *sets(settings)))
+    marker = work / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (Path.write_text, (marker, "code ran"))
+
+    import torch
+
+    from mtcli.checkpoint import last_checkpoint
+
+    torch.save({"update": 8, "evil": Payload()}, last_checkpoint(run_dir) / "state.pt", pickle_module=pickle)
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, "--resume", *sets(settings)))
+    ok, detail = one_line_error(proc, "state.pt: refused")
+    record("a pickle payload in state.pt is refused and never runs", ok and not marker.exists(), detail)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bad input
+
+
+def bad_inputs(work: Path, cache: Path) -> int:
+    print("bad input:", flush=True)
+    tried = 0
+    corpus = work / "corpora"
+    words = "the a cat dog house red blue big small runs eats sees man woman child tree green old new".split()
+    rng = random.Random(0)
+    lines = [" ".join(rng.choices(words, k=rng.randint(3, 8))) for _ in range(300)]
+
+    def make(name: str, src: str | bytes, tgt: str | bytes) -> Path:
+        folder = corpus / name
+        folder.mkdir(parents=True, exist_ok=True)
+        for lang, text in (("en", src), ("de", tgt)):
+            data = text if isinstance(text, bytes) else text.encode("utf-8")
+            (folder / f"train.{lang}").write_bytes(data)
+        return folder
+
+    text = "\n".join(lines) + "\n"
+    base = [
+        "data",
+        "prepare",
+        "--config",
+        "toy.yaml",
+        "--set",
+        "data.src_lang=en",
+        "--set",
+        "data.tgt_lang=de",
+        "--set",
+        "data.vocab_size=60",
+        "--set",
+        f"data.cache_dir={work / 'bad-cache'}",
+    ]
+
+    def prepare(folder: Path, *extra: str) -> subprocess.CompletedProcess:
+        return run(mtcli(*base, "--set", f"data.path={folder}", *extra))
+
+    def no_half_cache() -> bool:
+        root = work / "bad-cache"
+        return not root.is_dir() or not any(p.name.startswith(".") for p in root.iterdir())
+
+    cases = [
+        ("an empty training file", make("empty", "", ""), ["train.en", "is empty"]),
+        ("a training file of blank lines", make("blank", "\n\n \n", "\n\n\n"), ["train", "blank"]),
+        ("misaligned files", make("misaligned", text, "\n".join(lines[:-1]) + "\n"), ["line counts differ"]),
+        (
+            "bytes that are not UTF-8",
+            make("latin1", text.encode() + b"caf\xe9\n", text.encode() + b"cafe\n"),
+            ["train.en:301", "UTF-8"],
+        ),
+    ]
+    for name, folder, needles in cases:
+        ok, detail = one_line_error(prepare(folder), *needles)
+        tried += 1
+        record(name, ok and no_half_cache(), detail)
+    # Accepted: a byte-order mark, CRLF line ends; filtered and counted: a 1 MB line.
+    bom = prepare(make("bom", b"\xef\xbb\xbf" + text.encode(), text))
+    prepare(make("plain", text, text))
+    crlf = prepare(make("crlf", text.replace("\n", "\r\n"), text.replace("\n", "\r\n")))
+    long_line = ("the cat " * 131_072).strip()  # 1 MB of words: far over data.max_len subwords
+    long_ = prepare(make("long", text + long_line + "\n", text + "die Katze\n"))
+    tried += 3
+    record(
+        "a byte-order mark is accepted (and is not part of the first sentence)",
+        bom.returncode == 0 and _first_ids(work, "bom") == _first_ids(work, "plain"),
+    )
+    record(
+        "CRLF line ends are accepted", crlf.returncode == 0 and _first_ids(work, "crlf") == _first_ids(work, "plain")
+    )
+    record(
+        "a 1 MB single line is filtered and counted",
+        long_.returncode == 0 and "1 over 250 subwords" in long_.stderr,
+        [x for x in long_.stderr.splitlines() if "train" in x][-1:][0]
+        if long_.returncode == 0
+        else long_.stderr[-200:],
+    )
+    # Configs and options.
+    for name, content, needles in (
+        ("a config that is a YAML list", "- data\n- model\n", ["expected a mapping"]),
+        ("a config that is a YAML scalar", "just words\n", ["expected a mapping"]),
+        (
+            "a misspelled config key",
+            "data: {dataset: toy}\nmodel: {d_modle: 64}\n",
+            ["model.d_modle", "did you mean `model.d_model`"],
+        ),
+    ):
+        path = work / f"config-{tried}.yaml"
+        path.write_text(content)
+        ok, detail = one_line_error(
+            run(mtcli("train", "--config", path, "--run-dir", work / "never")), str(path), *needles
+        )
+        tried += 1
+        record(name, ok and not (work / "never").exists(), detail)
+    ok, detail = one_line_error(
+        run(mtcli("train", "--config", "toy.yaml", "--set", "train.lr", "--run-dir", work / "never")),
+        "--set train.lr",
+        "KEY=VALUE",
+    )
+    tried += 1
+    record("--set without =", ok, detail)
+    settings = train_settings(cache, **{"train.max_tokens": 2})
+    ok, detail = one_line_error(
+        run(mtcli("train", "--config", "toy.yaml", "--run-dir", work / "tiny-budget", *sets(settings))),
+        "train.max_tokens",
+        "shortest",
+    )
+    tried += 1
+    record("train.max_tokens smaller than the shortest sentence", ok, detail)
+    # Checkpoints.
+    good = work / "reference"
+    from mtcli.checkpoint import best_checkpoint, last_checkpoint
+
+    broken = work / "broken-checkpoint"
+    shutil.copytree(last_checkpoint(good), broken)
+    model_file = broken / "model.safetensors"
+    model_file.write_bytes(model_file.read_bytes()[: model_file.stat().st_size // 2])
+    ok, detail = one_line_error(run(mtcli("eval", "--checkpoint", broken)), "model.safetensors", "not a")
+    tried += 1
+    record("a checkpoint with a truncated safetensors file", ok, detail)
+    other = work / "other-vocab"
+    settings = train_settings(cache, **{"train.max_updates": 4, "data.vocab_size": 500})
+    run(mtcli("train", "--config", "toy.yaml", "--run-dir", other, *sets(settings)))
+    ok, detail = one_line_error(
+        run(mtcli("eval", "--run", good, "--checkpoint", best_checkpoint(other))), "another vocabulary"
+    )
+    tried += 1
+    record("a checkpoint of another vocabulary given to eval of a different run", ok, detail)
+    for last, needle in ((0, "at least 1"), (9999, "fewer than --last 9999")):
+        ok, detail = one_line_error(run(mtcli("average", "--run", good, "--last", last)), needle)
+        tried += 1
+        record(f"average --last {last}", ok, detail)
+    # Paths that a shell would mangle are plain paths here.
+    odd = corpus / "dir with space" / "ü" / ".." / "ünïcode"
+    odd.mkdir(parents=True, exist_ok=True)
+    for lang in ("en", "de"):
+        (odd / f"train.{lang}").write_text(text, encoding="utf-8")
+    proc = prepare(odd)
+    out = work / "out dir" / "翻译 $(touch pwned).txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    translated = run(mtcli("translate", "--run", good, "--output", out, "I love apples"))
+    tried += 2
+    record(
+        "data.path with .., spaces and unicode is a plain path",
+        proc.returncode == 0,
+        proc.stderr.strip()[-200:] if proc.returncode else "",
+    )
+    record(
+        "--output with spaces, unicode and shell syntax is a plain path",
+        translated.returncode == 0 and out.is_file() and not (ROOT / "pwned").exists(),
+    )
+    return tried
+
+
+def _first_ids(work: Path, name: str):
+    import numpy as np
+
+    root = work / "bad-cache"
+    folder = next(p for p in root.iterdir() if p.name.startswith(f"{name}-"))
+    offsets = np.load(folder / "train.src.idx.npy")
+    tokens = np.fromfile(folder / "train.src.bin", dtype=json.loads((folder / "meta.json").read_text())["dtype"])
+    spm = __import__("sentencepiece").SentencePieceProcessor(model_file=str(folder / "spm.model"))
+    return spm.decode(tokens[offsets[0] : offsets[1]].tolist())
+
+
+def big_stdin(work: Path) -> float:
+    """100 MB on stdin (1,000 lines of 100 KB, blank lines between): streamed, every line answered, memory bounded."""
+    run_dir = work / "reference"
+    words = "I love apples she likes green tea my mother reads books every day".split()
+    rng = random.Random(1)
+    line = (" ".join(rng.choices(words, k=20_000)) + " ")[:100_000].encode()
+    cmd = mtcli("translate", "--run", run_dir, "--beam", "1")
+    child = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    import threading
+
+    def feed():
+        for _ in range(1000):
+            child.stdin.write(line + b"\n\n")
+        child.stdin.close()
+
+    threading.Thread(target=feed, daemon=True).start()
+    answered = sum(1 for _ in child.stdout)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    peak_mb = usage.ru_maxrss / 1024
+    ok = child.returncode == 0 and answered == 2000
+    record(
+        "100 MB stdin streams through translate with bounded memory",
+        ok and peak_mb < 1500,
+        f"{answered} of 2000 lines answered, peak RSS {peak_mb:,.0f} MB",
+    )
+    return peak_mb
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        return worker(sys.argv[2], sys.argv[4:])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kills", type=int, default=20, help="SIGKILLs of training (at least 20 for the full matrix)")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    args = parser.parse_args()
+    start = time.time()
+    work = Path(tempfile.mkdtemp(prefix="mtcli-faults-"))
+    cache = work / "cache"
+    rng = random.Random(0)
+    try:
+        survived = kills(work, cache, args.kills, rng)
+        prepare_survived = prepare_kills(work, 3)
+        print("other faults:", flush=True)
+        disk_full(work, cache)
+        nonfinite(work, cache)
+        torchrun_restart(work, cache)
+        two_runs(work, cache)
+        pickle_payload(work, cache)
+        tried = bad_inputs(work, cache)
+        peak = big_stdin(work)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    failed = [name for name, ok, _ in RESULTS if not ok]
+    print(f"\nkills survived: {survived}/{args.kills} (training), {prepare_survived}/3 (data prepare)")
+    print(f"bad inputs tried: {tried}; peak RSS of translate on a 100 MB stdin: {peak:,.0f} MB")
+    print(f"cases: {len(RESULTS) - len(failed)}/{len(RESULTS)} passed in {time.time() - start:.0f} s")
+    if failed:
+        sys.exit("faults: FAILED: " + "; ".join(failed))
+
+
+if __name__ == "__main__":
+    main()
