@@ -1,12 +1,19 @@
-"""`make bench`: training and decoding speed on Multi30k en->de with the model fixed in benchmarks/bench.yaml.
+"""`make bench`: training and decoding speed on Multi30k en->de with the model fixed in benchmarks/bench.yaml, in
+every precision this CPU runs well.
 
-1. float32 GEMM peak of this machine (a large torch.mm, best of several), with the benchmark's thread count;
-2. training: `mtcli train` in a child process for 110 updates; updates 11-110 are timed from the per-update
-   timestamps in metrics.jsonl: target tokens/s, wall time, peak RSS of the child, padding efficiency, and model
-   FLOPs utilisation = analytic training FLOPs of exactly those batches / wall time / GEMM peak;
-3. decoding: a model trained for 800 updates (kept in benchmarks/cache/ between runs), test_2016_flickr in batches of
-   64 sentences, greedy and beam 5: sentences/s, target tokens/s and BLEU.
-Writes benchmarks/results.json and prints a table. Needs ../shared/data/multi30k.
+1. GEMM peaks (2048 x 2048 torch.mm, best of several, the benchmark's threads) in fp32 and, where the CPU has bf16
+   matrix units, bf16; what `train.precision: auto` picks here and why;
+2. training: `mtcli train` in a child process, fp32 then bf16, for one epoch and 110 updates; updates 11-110 (the
+   peers' window) and updates 11-110 of the second epoch (steady state) are timed from the per-update timestamps in
+   metrics.jsonl: target tokens/s, wall time, peak RSS of the child, padding efficiency, and model FLOPs utilisation
+   = analytic training FLOPs of exactly those batches / wall time / GEMM peak of the precision in use;
+3. Transformer-base shapes (6+6 layers, d_model 512, 8 heads, d_ff 2048) on the same data: a few timed updates of
+   ~8k target tokens in fp32 and bf16, tok/s and MFU;
+4. decoding: models trained for 800 updates in fp32 and in bf16 (kept in benchmarks/cache/ between runs),
+   test_2016_flickr in batches of 64 sentences, greedy and beam 5, with the fp32 model translated in fp32, bf16 and
+   int8: sentences/s, target tokens/s and BLEU.
+Writes benchmarks/results.json and prints a table. Needs ../shared/data/multi30k. `--quick` skips the 800-update
+models and decoding; `--skip-base` the base-size part.
 """
 
 from __future__ import annotations
@@ -30,39 +37,48 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from flops import FORMULA, training_flops  # noqa: E402
 
-from mtcli.batching import epoch_batches, padding_counts  # noqa: E402
+from mtcli.batching import collate, epoch_batches, padding_counts  # noqa: E402
 from mtcli.checkpoint import last_checkpoint  # noqa: E402
-from mtcli.config import load_config  # noqa: E402
+from mtcli.config import ModelConfig, load_config  # noqa: E402
 from mtcli.data import eval_texts, prepare  # noqa: E402
-from mtcli.device import keep_freed_memory  # noqa: E402
+from mtcli.device import DTYPES, choose_precision, cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
 from mtcli.evaluate import score  # noqa: E402
+from mtcli.model import Transformer  # noqa: E402
+from mtcli.train import Trainer, train_step  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "bench.yaml"
 CACHE = ROOT / "benchmarks" / "cache"
 WARMUP_UPDATES, TIMED_UPDATES, DECODE_MODEL_UPDATES = 10, 100, 800
+BASE = ModelConfig(layers=6, d_model=512, heads=8, d_ff=2048, dropout=0.1, norm="pre", max_positions=256)
+BASE_TOKENS, BASE_WARMUP, BASE_TIMED = 8192, 2, 5
 
 
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
                 break
     except OSError:
         pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni")
     return {
         "cpu": cpu,
+        "cpu_flags": [f for f in wanted if f in flags],
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
+        "date": time.strftime("%Y-%m-%d"),
     }
 
 
-def gemm_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def gemm_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
     for _ in range(3):
         a @ b
     best = float("inf")
@@ -73,82 +89,111 @@ def gemm_peak_gflops(n: int = 2048, repeats: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def train_run(run: Path, updates: int, log_every: int) -> None:
+def train_run(run: Path, updates: int, log_every: int, precision: str) -> None:
     """`mtcli train` with the benchmark config in a child process (its peak RSS is then the child's own)."""
     shutil.rmtree(run, ignore_errors=True)
-    sets = [f"train.max_updates={updates}", f"train.log_every={log_every}"]
+    sets = [f"train.max_updates={updates}", f"train.log_every={log_every}", f"train.precision={precision}"]
     args = ["train", "--config", str(CONFIG), "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]
     subprocess.run([sys.executable, "-m", "mtcli", *args], cwd=ROOT, check=True)
 
 
-def bench_training(cfg, data, peak: float) -> dict:
-    run = CACHE / "train-run"
-    train_run(run, WARMUP_UPDATES + TIMED_UPDATES, log_every=10)
-    peak_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the training child, the first one
+def bench_training(cfg, data, precision: str, peak: float) -> dict:
+    """Two windows of one run: updates 11-110 (the peers' spec: the first epoch, where CPU bf16 also pays for
+    building a oneDNN kernel per new batch shape) and updates 11-110 of the second epoch (steady state)."""
+    split, tc = data.split("train"), cfg.train
+    epoch_len = len(epoch_batches(split.src_lens, split.tgt_lens, tc.max_tokens, tc.seed, 0))
+    run = CACHE / f"train-run-{precision}"
+    rss_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    train_run(run, epoch_len + WARMUP_UPDATES + TIMED_UPDATES, log_every=10, precision=precision)
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child so far
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    timed = records[WARMUP_UPDATES:]
-    wall = timed[-1]["time"] - records[WARMUP_UPDATES - 1]["time"]
-    tokens = sum(r["tokens"] for r in timed)
-    # The same batches the run consumed (one process, one micro-batch per update, epoch 0 of the seed).
+    vocab = data.tokenizer.tgt_vocab_size
+    results = {}
+    for epoch, suffix in ((0, ""), (1, "_epoch2")):
+        first = epoch * epoch_len + WARMUP_UPDATES  # index of the first timed update's record
+        timed = records[first : first + TIMED_UPDATES]
+        wall = timed[-1]["time"] - records[first - 1]["time"]
+        tokens = sum(r["tokens"] for r in timed)
+        # The same batches the run consumed (one process, one micro-batch per update, this epoch of the seed).
+        batches = epoch_batches(split.src_lens, split.tgt_lens, tc.max_tokens, tc.seed, epoch)
+        used = batches[WARMUP_UPDATES : WARMUP_UPDATES + TIMED_UPDATES]
+        assert sum(int(split.tgt_lens[b].sum()) for b in used) == tokens, "batches differ from the run's"
+        flops = sum(training_flops(split.src_lens[b], split.tgt_lens[b], cfg.model, vocab) for b in used)
+        results[f"train_tgt_tok_per_s{suffix}_{precision}"] = tokens / wall
+        results[f"train_mfu{suffix}_{precision}"] = flops / wall / 1e9 / peak
+        if epoch == 0:
+            src_pad, tgt_pad = padding_counts(used, split.src_lens), padding_counts(used, split.tgt_lens)
+            results.update(
+                {
+                    f"train_wall_s_{precision}": wall,
+                    f"train_model_gflops_{precision}": flops / wall / 1e9,
+                    "train_updates_timed": len(timed),
+                    "train_tgt_tokens_per_batch": tokens / len(timed),
+                    "train_padding_efficiency": (src_pad + tgt_pad).efficiency,
+                    "train_padding_efficiency_tgt": tgt_pad.efficiency,
+                    "train_flops_per_tgt_token": flops / tokens,
+                }
+            )
+    results[f"peak_rss_mb_{precision}"] = max(rss, rss_before) / 1024
+    return results
+
+
+def bench_base(data, precision: str, peak: float) -> dict:
+    """Transformer-base shapes on the benchmark's data: BASE_TIMED updates of ~8k target tokens after a warm-up,
+    through mtcli's own Trainer and train_step, in this process."""
+    torch.manual_seed(0)
+    vocab = data.tokenizer.tgt_vocab_size
+    model = Transformer(BASE, vocab, vocab, joint_vocab=True)
+    train_cfg = load_config(CONFIG).train
+    trainer = Trainer.build(model, train_cfg, DTYPES[precision], torch.device("cpu"))
     split = data.split("train")
-    tc = cfg.train
-    batches = epoch_batches(split.src_lens, split.tgt_lens, tc.max_tokens, tc.seed, 0)
-    used = batches[WARMUP_UPDATES : WARMUP_UPDATES + TIMED_UPDATES]
-    assert sum(int(split.tgt_lens[b].sum()) for b in used) == tokens, "batches differ from the run's"
-    flops = sum(
-        training_flops(split.src_lens[b], split.tgt_lens[b], cfg.model, data.tokenizer.tgt_vocab_size) for b in used
-    )
-    src_pad, tgt_pad = padding_counts(used, split.src_lens), padding_counts(used, split.tgt_lens)
+    batches = epoch_batches(split.src_lens, split.tgt_lens, BASE_TOKENS, 1, 0)[: BASE_WARMUP + BASE_TIMED]
+    tokens, flops, start = 0, 0.0, 0.0
+    for i, b in enumerate(batches):
+        if i == BASE_WARMUP:
+            start = time.perf_counter()
+        batch = collate([split.src(j) for j in b], [split.tgt(j) for j in b])
+        train_step(trainer, [batch], batch.n_tgt_tokens, 1e-4, 0.0)
+        if i >= BASE_WARMUP:
+            tokens += batch.n_tgt_tokens
+            flops += training_flops(split.src_lens[b], split.tgt_lens[b], BASE, vocab)
+    wall = time.perf_counter() - start
     return {
-        "train_tgt_tok_per_s": tokens / wall,
-        "train_wall_s": wall,
-        "train_updates_timed": len(timed),
-        "train_tgt_tokens_per_batch": tokens / len(timed),
-        "train_padding_efficiency": (src_pad + tgt_pad).efficiency,
-        "train_padding_efficiency_tgt": tgt_pad.efficiency,
-        "train_flops_per_tgt_token": flops / tokens,
-        "train_model_gflops": flops / wall / 1e9,
-        "train_mfu": flops / wall / 1e9 / peak,
-        "peak_rss_mb": peak_rss_mb,
+        f"base_train_tgt_tok_per_s_{precision}": tokens / wall,
+        f"base_train_mfu_{precision}": flops / wall / 1e9 / peak,
+        "base_train_tgt_tokens_per_update": tokens / BASE_TIMED,
+        "base_parameters": model.num_parameters(),
     }
 
 
-def decode_model() -> Path:
-    run = CACHE / f"decode-run-{DECODE_MODEL_UPDATES}"
+def decode_model(precision: str) -> Path:
+    run = CACHE / f"decode-run-{DECODE_MODEL_UPDATES}" if precision == "fp32" else CACHE / f"decode-run-{precision}"
     ckpt = last_checkpoint(run)
     if ckpt is None or not ckpt.name.endswith(f"{DECODE_MODEL_UPDATES:08d}"):
-        print(f"training the decoding model ({DECODE_MODEL_UPDATES} updates, once; kept in {run})", flush=True)
-        train_run(run, DECODE_MODEL_UPDATES, log_every=100)
+        print(f"training the {precision} decoding model ({DECODE_MODEL_UPDATES} updates, once; kept in {run})")
+        train_run(run, DECODE_MODEL_UPDATES, log_every=100, precision=precision)
         ckpt = last_checkpoint(run)
     return ckpt
 
 
-def bench_decoding(cfg) -> dict:
-    translator = Translator.from_checkpoint(decode_model(), device="cpu")
+def bench_decoding(cfg, checkpoint: Path, precision: str, modes=(("greedy", 1), ("beam5", 5))) -> dict:
+    translator = Translator.from_checkpoint(checkpoint, device="cpu", precision=precision)
     sources, references = eval_texts(cfg, "test")
     results = {}
-    for name, beam in (("greedy", 1), ("beam5", 5)):
+    for name, beam in modes:
         decode = replace(
-            translator.config.decode,
-            beam=beam,
-            nbest=1,
-            lenpen=0.6,
-            batch_tokens=10**9,
-            batch_sentences=64,
-            sampling=False,
+            translator.config.decode, beam=beam, nbest=1, lenpen=0.6, batch_tokens=10**9, batch_sentences=64
         )
         translator.translate(sources[:64], decode)  # warm-up
         start = time.perf_counter()
         hyps = translator.translate_nbest(sources, decode)
         wall = time.perf_counter() - start
         tokens = sum(len(h[0].tokens) + 1 for h in hyps)  # with EOS
-        texts = [h[0].text for h in hyps]
         results.update(
             {
-                f"decode_{name}_sent_per_s": len(sources) / wall,
-                f"decode_{name}_tok_per_s": tokens / wall,
-                f"decode_{name}_wall_s": wall,
-                f"bleu_{name}": score(texts, references, "de")["bleu"],
+                f"decode_{name}_sent_per_s_{precision}": len(sources) / wall,
+                f"decode_{name}_tok_per_s_{precision}": tokens / wall,
+                f"bleu_{name}_{precision}": score([h[0].text for h in hyps], references, "de")["bleu"],
             }
         )
     results["decode_sentences"] = len(sources)
@@ -157,7 +202,8 @@ def bench_decoding(cfg) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--skip-decode", action="store_true", help="only the GEMM peak and training")
+    parser.add_argument("--quick", action="store_true", help="training only: no 800-update models, no decoding")
+    parser.add_argument("--skip-base", action="store_true", help="leave out the Transformer-base training figures")
     args = parser.parse_args()
     os.chdir(ROOT)
     if not (ROOT.parent / "shared" / "data" / "multi30k").is_dir():
@@ -165,14 +211,35 @@ def main() -> None:
     cfg = load_config(CONFIG)
     torch.set_num_threads(cfg.train.threads)
     keep_freed_memory()  # as the mtcli command does
+    keep_onednn_kernels()
     data = prepare(cfg)
     results = {"machine": machine(), "config": str(CONFIG.relative_to(ROOT)), "command": "make bench"}
-    peak = gemm_peak_gflops()
-    results["gemm_peak_gflops"] = peak
-    print(f"float32 GEMM peak: {peak:.1f} GFLOP/s ({torch.get_num_threads()} threads)", flush=True)
-    results.update(bench_training(cfg, data, peak))
-    if not args.skip_decode:
-        results.update(bench_decoding(cfg))
+    has_bf16 = cpu_bf16_units() is not None
+    peaks = {"fp32": gemm_peak_gflops(torch.float32)}
+    peaks["bf16"] = gemm_peak_gflops(torch.bfloat16) if has_bf16 else None  # ~100x slower without bf16 units
+    results["gemm_peak_gflops_fp32"], results["gemm_peak_gflops_bf16"] = peaks["fp32"], peaks["bf16"]
+    auto, why = choose_precision("auto", torch.device("cpu"), cfg.model.d_model, cfg.model.d_ff)
+    results["train_precision_auto"] = f"{auto} ({why})"
+    print(f"GEMM peaks: fp32 {peaks['fp32']:.0f}, bf16 {peaks['bf16'] or 0:.0f} GFLOP/s; auto: {auto} ({why})")
+    precisions = ["fp32", "bf16"] if has_bf16 else ["fp32"]
+    for precision in precisions:
+        results.update(bench_training(cfg, data, precision, peaks[precision]))
+    if not has_bf16:
+        results.update(train_tgt_tok_per_s_bf16=None, train_mfu_bf16=None, train_tgt_tok_per_s_epoch2_bf16=None)
+    for suffix in ("", "_epoch2"):
+        bf16_speed = results.get(f"train_tgt_tok_per_s{suffix}_bf16")
+        fp32_speed = results[f"train_tgt_tok_per_s{suffix}_fp32"]
+        results[f"bf16_speedup{suffix}"] = bf16_speed / fp32_speed if bf16_speed else None
+    if not args.skip_base:
+        for precision in precisions:
+            results.update(bench_base(data, precision, peaks[precision]))
+    if not args.quick:
+        fp32_model = decode_model("fp32")
+        for precision in ["fp32", "bf16", "int8"] if has_bf16 else ["fp32", "int8"]:
+            results.update(bench_decoding(cfg, fp32_model, precision))
+        if has_bf16:  # the training precision's effect on quality: the bf16-trained model, decoded in fp32
+            trained = bench_decoding(cfg, decode_model("bf16"), "fp32", modes=(("beam5", 5),))
+            results["bleu_beam5_bf16_trained"] = trained["bleu_beam5_fp32"]
     results["flops_formula"] = FORMULA
     (ROOT / "benchmarks" / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print_table(results)
@@ -180,24 +247,63 @@ def main() -> None:
 
 def print_table(r: dict) -> None:
     m = r["machine"]
-    print(f"\nmtcli benchmark: {m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    print(f"\nmtcli benchmark: {m['cpu']} ({', '.join(m['cpu_flags'])}), {m['threads']} threads, torch {m['torch']}")
+    fmt = lambda v, f: "n/a" if v is None else format(v, f)  # noqa: E731
     rows = [
-        ("GEMM peak (float32)", f"{r['gemm_peak_gflops']:.1f} GFLOP/s"),
-        ("train: target tokens/s", f"{r['train_tgt_tok_per_s']:,.0f}"),
-        ("train: model FLOPs utilisation", f"{100 * r['train_mfu']:.1f} % ({r['train_model_gflops']:.1f} GFLOP/s)"),
-        ("train: FLOPs per target token", f"{r['train_flops_per_tgt_token'] / 1e6:.1f} M"),
-        ("train: target tokens per batch", f"{r['train_tgt_tokens_per_batch']:,.0f}"),
-        ("train: padding efficiency", f"{r['train_padding_efficiency']:.3f}"),
-        ("train: wall time (100 updates)", f"{r['train_wall_s']:.1f} s"),
-        ("train: peak RSS", f"{r['peak_rss_mb']:,.0f} MB"),
+        (
+            "GEMM peak fp32 / bf16",
+            f"{fmt(r['gemm_peak_gflops_fp32'], '.0f')} / {fmt(r['gemm_peak_gflops_bf16'], '.0f')} GFLOP/s",
+        ),
+        ("train.precision auto", r["train_precision_auto"]),
     ]
-    if "decode_greedy_sent_per_s" in r:
+    for p in ("fp32", "bf16"):
+        if r.get(f"train_tgt_tok_per_s_{p}"):
+            rows.append(
+                (
+                    f"train {p}: target tokens/s, MFU, peak RSS",
+                    f"{r[f'train_tgt_tok_per_s_{p}']:,.0f}, {100 * r[f'train_mfu_{p}']:.1f} %, "
+                    f"{r[f'peak_rss_mb_{p}']:,.0f} MB",
+                )
+            )
+    for p in ("fp32", "bf16"):
+        if r.get(f"train_tgt_tok_per_s_epoch2_{p}"):
+            rows.append(
+                (
+                    f"train {p}, second epoch: target tokens/s, MFU",
+                    f"{r[f'train_tgt_tok_per_s_epoch2_{p}']:,.0f}, {100 * r[f'train_mfu_epoch2_{p}']:.1f} %",
+                )
+            )
+    rows.append(
+        (
+            "train bf16 / fp32 (first epoch, second epoch)",
+            f"{fmt(r['bf16_speedup'], '.2f')}, {fmt(r['bf16_speedup_epoch2'], '.2f')}",
+        )
+    )
+    rows.append(
+        (
+            "train: target tokens per batch, padding efficiency",
+            f"{r['train_tgt_tokens_per_batch']:,.0f}, {r['train_padding_efficiency']:.3f}",
+        )
+    )
+    for p in ("fp32", "bf16"):
+        if f"base_train_tgt_tok_per_s_{p}" in r:
+            rows.append(
+                (
+                    f"base-size train {p}: target tokens/s, MFU",
+                    f"{r[f'base_train_tgt_tok_per_s_{p}']:,.0f}, {100 * r[f'base_train_mfu_{p}']:.1f} %",
+                )
+            )
+    for p in ("fp32", "bf16", "int8"):
         for name in ("greedy", "beam5"):
-            rows += [
-                (f"decode {name}: sentences/s", f"{r[f'decode_{name}_sent_per_s']:.1f}"),
-                (f"decode {name}: target tokens/s", f"{r[f'decode_{name}_tok_per_s']:,.0f}"),
-                (f"decode {name}: BLEU (test_2016_flickr)", f"{r[f'bleu_{name}']:.2f}"),
-            ]
+            if f"decode_{name}_sent_per_s_{p}" in r:
+                rows.append(
+                    (
+                        f"decode {name} {p}: sentences/s, BLEU",
+                        f"{r[f'decode_{name}_sent_per_s_{p}']:.1f}, {r[f'bleu_{name}_{p}']:.2f}",
+                    )
+                )
+    if "bleu_beam5_bf16_trained" in r:
+        rows.append(("beam-5 BLEU of the bf16-trained model (fp32 decoding)", f"{r['bleu_beam5_bf16_trained']:.2f}"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")
