@@ -7,7 +7,8 @@ A checkpoint is a folder `<run>/checkpoints/update_<N>/` holding
   (`TrainState`), loadable with `torch.load(weights_only=True)`;
 - the SentencePiece model(s), so the folder translates on its own.
 Each folder is written under a temporary name and renamed into place, so a kill at any moment leaves every earlier
-checkpoint loadable. The newest `update_*` folder is `last`; `best.json` names the best one.
+checkpoint loadable. The newest `update_*` folder is `last`; `best.json` names the best one. The run lock lives
+here too, because it guards the same folder; that and averaging take the module a little over 400 lines.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@
 Single process or `torchrun --nproc_per_node N -m mtcli train ...`. Every rank computes the same epoch's batch list
 from the seed and takes a disjoint shard of it, so the data position is one pair (epoch, update in epoch) shared by
 all ranks, and a resumed run sees exactly the batches an uninterrupted one would have. Checkpoints live in
-checkpoint.py, processes and signals in distributed.py, the loss in loss.py.
+checkpoint.py, processes and signals in distributed.py, the loss in loss.py. (A little over 400 lines: starting a
+run, the loop and validation-with-checkpoint share one `Run` object, and splitting them would pass it around.)
 """
 
 from __future__ import annotations

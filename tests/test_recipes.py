@@ -1,0 +1,90 @@
+"""The shipped configs: each builds the model its header claims, and each trains (a few updates) as shipped."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+
+from mtcli.checkpoint import checkpoint_dir
+from mtcli.config import SHIPPED_CONFIGS, load_config
+from mtcli.model import Transformer
+from mtcli.train import train
+
+SHIPPED = sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
+# The CPU recipes whose figures the README reports, with the shared corpus each is trained on.
+RECIPES = {"multi30k.yaml": "multi30k", "tatoeba-en-zh.yaml": "tatoeba-zh-en"}
+
+
+def claimed(name: str) -> tuple[int, int]:
+    """(parameters, vocabulary size) from the config's `# Model: N parameters with the V-piece ...` header line."""
+    found = re.search(
+        r"^# Model: ([\d,]+) parameters with the ([\d,]+)-piece", (SHIPPED_CONFIGS / name).read_text(), re.M
+    )
+    assert found, f"{name} has no `# Model: N parameters with the V-piece ...` line"
+    return int(found[1].replace(",", "")), int(found[2].replace(",", ""))
+
+
+def final_loss(run_dir) -> float:
+    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_every_shipped_config_builds_the_model_its_header_claims(name):
+    cfg = load_config(name)
+    parameters, vocab = claimed(name)
+    assert cfg.data.vocab_size == vocab
+    assert Transformer(cfg.model, vocab, vocab, cfg.data.joint_vocab).num_parameters() == parameters
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_cpu_recipes_train_as_shipped_on_their_corpus(name, shared_data, tmp_path):
+    """The recipe itself (model, schedule, precision auto, validation), only shortened to a few updates."""
+    overrides = [
+        f"data.path={shared_data / RECIPES[name]}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_updates=3",
+        "train.valid_every=3",
+        "train.valid_max_sentences=8",
+    ]
+    cfg = load_config(name, overrides)
+    result = train(cfg, tmp_path / "run")
+    assert result.model.num_parameters() == claimed(name)[0]  # SentencePiece filled the whole vocabulary
+    assert math.isfinite(final_loss(tmp_path / "run"))
+    assert (checkpoint_dir(tmp_path / "run") / "update_00000003" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["base.yaml", "opus100-en-zh.yaml"])
+def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path):
+    """Their full-size models on a CPU: the toy corpus and small batches stand in for WMT and OPUS. (big.yaml differs
+    from base.yaml only in sizes and dropout, and its 214M parameters would cost CI a minute for nothing new.)"""
+    overrides = [
+        "data.dataset=toy",
+        "data.path=null",
+        "data.subset=null",
+        "data.src_lang=en",
+        "data.tgt_lang=zh",
+        "data.vocab_size=600",
+        "data.character_coverage=1.0",
+        "data.byte_fallback=false",
+        "data.max_ratio=0",
+        "data.splits={train: train, valid: valid, test: test}",
+        "data.hub_splits=null",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "train.max_tokens=256",
+        "train.tokens_per_update=0",
+        "train.precision=fp32",
+        "train.max_updates=2",
+        "train.valid_every=2",
+        "train.valid_max_sentences=2",
+        "decode.precision=fp32",
+        "decode.max_len_b=5",
+    ]
+    cfg = load_config(name, overrides)
+    train(cfg, tmp_path / "run")
+    assert math.isfinite(final_loss(tmp_path / "run"))
+    assert (checkpoint_dir(tmp_path / "run") / "update_00000002" / "model.safetensors").is_file()
