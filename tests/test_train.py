@@ -349,12 +349,16 @@ def test_two_process_ddp_keeps_ranks_identical_and_matches_one_process(cache_dir
     )
     one = train(single, tmp_path / "single")
     assert losses(tmp_path / "ddp") == pytest.approx(losses(tmp_path / "single"), rel=1e-4)
-    # Weights: Adam divides by sqrt(v), so a near-zero gradient whose float noise differs between the two reduction
-    # orders can move a weight by up to one learning rate (<= 2e-3 here) in the other direction; a real divergence
-    # (another batch, a gradient not averaged) moves the losses above and the weights on average, not a few by a step.
+    # Weights: Adam divides by sqrt(v), so a gradient that is float noise around zero (the key bias's is zero by
+    # construction: softmax ignores it) moves by up to one learning rate per update in a direction
+    # set by the reduction order. A real divergence (another batch, a gradient not averaged) moves the losses above
+    # and the weight matrices on average; biases and gains are only bounded.
+    lrs = [json.loads(x)["lr"] for x in (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()]
+    bound = 3 * sum(lrs)  # Adam steps of up to ~1.5 lr (bias-corrected), the two runs in opposite directions
     for name, tensor in one.model.state_dict().items():
         diff = (tensor - rank0[name]).abs()
-        assert diff.mean() < 1e-4 and diff.max() < 1e-2, f"{name}: mean {diff.mean():.2e}, max {diff.max():.2e}"
+        assert diff.max() <= bound, f"{name}: max difference {diff.max():.2e} over {bound:.2e}"
+        assert tensor.dim() < 2 or diff.mean() < 1e-4, f"{name}: mean difference {diff.mean():.2e}"
 
 
 @pytest.mark.slow
