@@ -45,7 +45,12 @@ class Dist:
             device = torch.device("cuda", d.local_rank)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=1))
+            backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(hours=1)
+            store = restarted_worker_store(d, timeout)
+            if store is None:
+                dist.init_process_group(backend, timeout=timeout)
+            else:
+                dist.init_process_group(backend, store=store, rank=d.rank, world_size=d.world, timeout=timeout)
         return d, device
 
     def all_reduce_max(self, value: int) -> int:
@@ -70,6 +75,24 @@ class Dist:
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
+
+
+def restarted_worker_store(d: Dist, timeout: datetime.timedelta) -> dist.Store | None:
+    """The store for a worker group that torchrun restarted (--max-restarts), scoped to this attempt; None otherwise.
+
+    torchrun's c10d rendezvous shares one TCPStore across restarts (TORCHELASTIC_USE_AGENT_STORE) without scoping
+    the keys per attempt, so a restarted group can read the killed workers' gloo/NCCL addresses and fail with
+    "Connection refused" (pytorch/pytorch#135712; seen here with torch 2.13 whenever the cores are busy). On one node
+    every worker has the same restart count, so it scopes the keys safely; across nodes the counts can differ (an
+    agent only counts its own failures), so there torch's behaviour stays and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    in torchrun's environment is the remedy."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(d.world)
+    if not (attempt and shared and one_node):
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), d.world, False, timeout)
+    return dist.PrefixStore(f"mtcli/attempt_{attempt}", store)
 
 
 def comm_device() -> torch.device:

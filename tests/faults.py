@@ -179,8 +179,9 @@ def wait_for(predicate, timeout: float, interval: float = 0.01) -> bool:
 
 
 def kills(work: Path, cache: Path, count: int, rng: random.Random) -> int:
-    """SIGKILL training `count` times (every third kill inside a checkpoint write), resuming after each; then the
-    finished run must equal an uninterrupted one, loss for loss and weight for weight."""
+    """SIGKILL training `count` times (every third kill inside a checkpoint write, some during start-up, the rest a
+    random number of updates in), resuming after each; then the finished run must equal an uninterrupted one, loss
+    for loss and weight for weight."""
     print(f"training killed {count} times:", flush=True)
     reference = work / "reference"
     settings = train_settings(cache)
@@ -210,13 +211,18 @@ def kills(work: Path, cache: Path, count: int, rng: random.Random) -> int:
         )
         child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if inside_save:  # the temporary folder of a checkpoint being written
-            landed = wait_for(lambda folder=run_dir / "checkpoints": _writing(folder), 60)
-        else:
-            time.sleep(rng.uniform(1.5, 6.0))  # start-up is ~3 s: some kills land before the first update
+            landed = wait_for(lambda folder=run_dir / "checkpoints": _writing(folder), 120)
+        elif survived % 3 == 0 and rng.random() < 0.5:  # during start-up (~3 s on an idle machine)
+            time.sleep(rng.uniform(0.5, 3.0))
             landed = True
+        else:  # a random number of updates in; counted by progress, not seconds, so a slow machine gets there too
+            target = min(_logged_update(run_dir) + rng.randint(1, 48), settings["train.max_updates"] - 1)
+            landed = wait_for(lambda c=child, r=run_dir, t=target: c.poll() is not None or _logged_update(r) >= t, 180)
+            time.sleep(rng.uniform(0.0, 0.2))
         child.send_signal(signal.SIGKILL)
         child.wait()
         sound, detail = checkpoints_sound(run_dir)
+        detail += f", killed after update {_logged_update(run_dir)} was logged"
         survived += bool(
             record(
                 f"kill {survived + 1}{' inside a checkpoint write' if inside_save else ''}", sound and landed, detail
@@ -224,7 +230,8 @@ def kills(work: Path, cache: Path, count: int, rng: random.Random) -> int:
         )
         if not sound:
             break
-    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, "--resume", *sets(settings)), timeout=600)
+    resume = ["--resume"] if last_checkpoint(run_dir) is not None else []
+    proc = run(mtcli("train", "--config", "toy.yaml", "--run-dir", run_dir, *resume, *sets(settings)), timeout=600)
     if record(
         "resume to the end after the last kill",
         proc.returncode == 0,
@@ -232,6 +239,15 @@ def kills(work: Path, cache: Path, count: int, rng: random.Random) -> int:
     ):
         _compare(run_dir, reference, f"round {round_}")
     return survived
+
+
+def _logged_update(run_dir: Path) -> int:
+    """The last update in metrics.jsonl (written every train.log_every updates), 0 before the first."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_bytes().splitlines()
+        return json.loads(lines[-1])["update"] if lines else 0
+    except (OSError, ValueError, KeyError):  # missing, or a line being written
+        return 0
 
 
 def _writing(folder: Path) -> bool:
@@ -248,15 +264,18 @@ def _finished(run_dir: Path, settings: dict) -> bool:
 def _compare(run_dir: Path, reference: Path, name: str) -> None:
     import torch
 
-    same_losses = losses(run_dir) == losses(reference)
+    mine, theirs = losses(run_dir), losses(reference)
     a, b = weights(run_dir), weights(reference)
     same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    detail = f"{len(losses(run_dir))} per-update losses and final weights bit-identical"
-    record(
-        f"killed and resumed run ({name}) equals the uninterrupted one",
-        same_losses and same_weights,
-        detail if same_losses and same_weights else f"losses equal: {same_losses}, weights equal: {same_weights}",
-    )
+    detail = f"{len(mine)} per-update losses and final weights bit-identical"
+    if mine != theirs or not same_weights:  # say where it went apart, so that a rare failure can be traced
+        first = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y), min(len(mine), len(theirs)))
+        detail = (
+            f"{len(mine)} vs {len(theirs)} records, first difference at record {first}: "
+            f"{mine[first] if first < len(mine) else None} vs {theirs[first] if first < len(theirs) else None}; "
+            f"weights equal: {same_weights} (--keep keeps the runs)"
+        )
+    record(f"killed and resumed run ({name}) equals the uninterrupted one", mine == theirs and same_weights, detail)
 
 
 def prepare_kills(work: Path, count: int) -> int:
@@ -362,10 +381,16 @@ def torchrun_restart(work: Path, cache: Path) -> None:
         str(run_dir),
         *sets(settings),
     ]
-    agent = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     first = run_dir / "checkpoints" / "update_00000016"
     killed = wait_for(first.is_dir, 240, 0.05) and _kill_rank(agent.pid, 1)
-    out, _ = agent.communicate(timeout=600)
+    try:
+        out, _ = agent.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # a hung restart is a failure, and must not leave workers behind
+        os.killpg(agent.pid, signal.SIGKILL)
+        out = agent.communicate()[0] + "\n(hung: killed after 300 s)"
     ok = killed and agent.returncode == 0 and _finished(run_dir, settings)
     ok = ok and [u for u, _ in losses(run_dir)] == list(range(1, settings["train.max_updates"] + 1))
     record(
