@@ -13,6 +13,26 @@ from torch import nn
 
 from mtcli.cache import LayerCache
 
+ROW_MULTIPLE = 64
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, with the row count rounded up to a multiple of ROW_MULTIPLE under CPU autocast (bf16 training).
+
+    oneDNN builds a bf16 matrix-product kernel for each exact shape (~3 ms each, three per layer and batch shape),
+    and a token-budget batch's sentences x length is new almost every batch: on the benchmark's first epoch,
+    building kernels took ~50 ms of a ~500 ms update. Zero rows make the shapes repeat; their outputs are dropped
+    and their gradients are zero, so the weight gradient is unchanged. They add <2% rows. fp32 (MKL) and GPU
+    products have no such cost, and decoding (no autocast) calls the layer as it is."""
+    if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or type(layer) is not nn.Linear:
+        return layer(x)
+    rows = x.reshape(-1, x.shape[-1]).to(torch.get_autocast_dtype("cpu"))
+    n = rows.shape[0]
+    padded = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
+    if padded != n:
+        rows = F.pad(rows, (0, 0, 0, padded - n))
+    return F.linear(rows, layer.weight, layer.bias)[:n].view(*x.shape[:-1], layer.out_features)
+
 
 def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
     B, T, _ = x.shape
@@ -63,7 +83,7 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x: (B, T, d). mask: (B, 1, 1, T) key mask. causal: decoder self-attention. With a cache, this call's
         keys/values are written at positions start..start+T and the query attends to everything written so far."""
-        q, k, v = _split_heads(self.qkv(x), 3, self.heads)  # each (B, H, T, D)
+        q, k, v = _split_heads(linear(self.qkv, x), 3, self.heads)  # each (B, H, T, D)
         T = q.shape[2]
         if cache is not None:
             cache.k[:, :, start : start + T] = k
@@ -74,7 +94,7 @@ class SelfAttention(nn.Module):
         if causal and T > 1 and start > 0:
             raise ValueError("a multi-token decoder call with a cache must start at position 0")
         y = _attend(q, k, v, mask, causal and T > 1, self.dropout if self.training else 0.0)
-        return self.out(_merge_heads(y))
+        return linear(self.out, _merge_heads(y))
 
 
 class CrossAttention(nn.Module):
@@ -92,11 +112,11 @@ class CrossAttention(nn.Module):
         if cache is not None and cache.cross_k is not None:
             k, v = cache.cross_k, cache.cross_v
         else:
-            k, v = _split_heads(self.kv(memory), 2, self.heads)  # each (B, H, S, D)
+            k, v = _split_heads(linear(self.kv, memory), 2, self.heads)  # each (B, H, S, D)
             if cache is not None:
                 k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
                 cache.cross_k, cache.cross_v = k, v
-        (q,) = _split_heads(self.q(x), 1, self.heads)  # (N, H, T, D)
+        (q,) = _split_heads(linear(self.q, x), 1, self.heads)  # (N, H, T, D)
         N, H, T, D = q.shape
         B = k.shape[0]
         beams = N // B
@@ -105,4 +125,4 @@ class CrossAttention(nn.Module):
         y = _attend(q, k, v, mask, False, self.dropout if self.training else 0.0)
         if beams > 1:
             y = y.view(B, H, beams, T, D).transpose(1, 2).reshape(N, H, T, D)
-        return self.out(_merge_heads(y))
+        return linear(self.out, _merge_heads(y))

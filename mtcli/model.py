@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtcli.attention import CrossAttention, SelfAttention
+from mtcli.attention import CrossAttention, SelfAttention, linear
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
 from mtcli.tokenizer import PAD
@@ -49,7 +49,7 @@ class FeedForward(nn.Module):
         self.dropout = Dropout(cfg.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.dropout(self.activation(self.up(x))))
+        return linear(self.down, self.dropout(self.activation(linear(self.up, x))))
 
 
 class EncoderLayer(nn.Module):

@@ -195,6 +195,28 @@ def test_cpu_autocast_attention_matches_fp32_sdpa(causal):
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
+def test_row_padded_linear_under_cpu_autocast_equals_the_plain_layer():
+    """Under CPU bf16 autocast, `linear` pads rows to a multiple of 64 (so oneDNN kernels repeat across batches):
+    outputs and gradients must be those of the layer itself, and the zero rows must not leak out."""
+    from mtcli.attention import ROW_MULTIPLE, linear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 24)
+    x = torch.randn(3, 7, 16, requires_grad=True)  # 21 rows: padded to 64
+    assert (3 * 7) % ROW_MULTIPLE
+    grads = []
+    for fn in (layer, lambda t: linear(layer, t)):
+        layer.zero_grad()
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(x)
+        (y.float() * torch.arange(24.0)).sum().backward()
+        grads.append((y.detach().float(), x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()))
+    assert grads[1][0].shape == (3, 7, 24)
+    for plain, padded in zip(*grads):
+        torch.testing.assert_close(padded, plain, atol=1e-2, rtol=1e-2)
+
+
 def test_three_way_tied_embeddings_are_one_tensor():
     model = make_model()
     assert model.src_embed.weight is model.tgt_embed.weight is model.output.weight
