@@ -73,24 +73,17 @@ def invoke(*args, input=None):
     return result
 
 
+def train_toy(run: Path, cache: Path, settings: dict | None = None) -> Path:
+    """`mtcli train --config toy.yaml` into `run` (data cached under `cache`), each setting as --set KEY=VALUE."""
+    settings = {"data.cache_dir": cache, **(settings or {})}
+    sets = [x for key, value in settings.items() for x in ("--set", f"{key}={value}")]
+    invoke("train", "--config", "toy.yaml", "--run-dir", run, *sets)
+    return run
+
+
 @pytest.fixture(scope="session")
 def toy_run(tmp_path_factory):
     """The toy config, shortened: about half a minute on 2 cores. Runs in ./runs/toy of a scratch folder."""
     home = tmp_path_factory.mktemp("toy")
-    run = home / "runs" / "toy"
-    invoke(
-        "train",
-        "--config",
-        "toy.yaml",
-        "--run-dir",
-        run,
-        "--set",
-        f"data.cache_dir={home / 'cache'}",
-        "--set",
-        "train.max_updates=300",
-        "--set",
-        "train.valid_every=150",
-        "--set",
-        "train.keep_last=3",
-    )
-    return run
+    settings = {"train.max_updates": 300, "train.valid_every": 150, "train.keep_last": 3}
+    return train_toy(home / "runs" / "toy", home / "cache", settings)

@@ -127,20 +127,9 @@ def test_bf16_training_of_the_toy_model_reaches_the_smoke_threshold(tmp_path):
     """make smoke's bar (test BLEU >= 80 after toy.yaml's 600 updates), trained in bf16 autocast."""
     if device.cpu_bf16_units() is None:
         pytest.skip("this CPU has no bf16 matrix units: bf16 training would take ~100x longer than fp32")
-    from conftest import invoke
+    from conftest import invoke, train_toy
 
-    run = tmp_path / "run"
-    invoke(
-        "train",
-        "--config",
-        "toy.yaml",
-        "--run-dir",
-        run,
-        "--set",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "--set",
-        "train.precision=bf16",
-    )
+    run = train_toy(tmp_path / "run", tmp_path / "cache", {"train.precision": "bf16"})
     assert "precision: bf16 (as set)" in (run / "train.log").read_text()
     result = json.loads(invoke("eval", "--run", run, "--json").stdout)
     assert result["bleu"] >= 80, result["bleu"]
