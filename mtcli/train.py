@@ -401,9 +401,12 @@ def validate_and_save(run: Run) -> bool:
     if d.main and "valid" in run.data.roles:
         start = time.time()
         device, valid = run.trainer.device, run.data.split("valid")
-        metrics = validation_loss(run.model, valid, run.cfg, device, run.trainer.autocast)
-        if tc.valid_metric == "bleu":
-            metrics["bleu"] = validation_bleu(run.model, run.data.tokenizer, valid, run.cfg, device)
+        # Validation must leave training's random streams as it found them (decoding may draw: sampling, probes),
+        # or a run that validated at an update would continue differently from one that did not (exact resume).
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            metrics = validation_loss(run.model, valid, run.cfg, device, run.trainer.autocast)
+            if tc.valid_metric == "bleu":
+                metrics["bleu"] = validation_bleu(run.model, run.data.tokenizer, valid, run.cfg, device)
         value = metrics["bleu"] if tc.valid_metric == "bleu" else -metrics["loss"]
         improved = state.best_score is None or value > state.best_score
         if improved:

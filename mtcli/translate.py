@@ -105,8 +105,9 @@ def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
     """Every nn.Linear of a bf16 CPU model replaced by a PackedLinear, if this torch has the ops and they agree
     with F.linear on a probe; else the model unchanged."""
     try:
-        probe = torch.nn.Linear(8, 16).to(torch.bfloat16)
-        x = torch.randn(3, 8).to(torch.bfloat16)
+        with torch.random.fork_rng(devices=[]):  # the probe's random weights must not shift training's dropout
+            probe = torch.nn.Linear(8, 16).to(torch.bfloat16)
+            x = torch.randn(3, 8).to(torch.bfloat16)
         if not torch.equal(PackedLinear(probe)(x), probe(x)):
             return model
     except (AttributeError, RuntimeError):
