@@ -228,7 +228,7 @@ def main() -> None:
     for precision in precisions:
         results.update(bench_training(cfg, data, precision, peaks[precision]))
         for p in seen:
-            seen[p].append(gemm_peak_gflops(torch.float32 if p == "fp32" else torch.bfloat16))
+            seen[p].append(gemm_peak_gflops(DTYPES[p]))
     results["gemm_peaks_gflops_before_and_after_each_training_run"] = seen
     results["gemm_peak_drift"] = max(max(v) / min(v) - 1 for v in seen.values())
     if not has_bf16:

@@ -77,6 +77,11 @@ class Dist:
         return out
 
 
+def restart_count() -> int:
+    """How many times torchrun (--max-restarts) has restarted this worker group; 0 outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def restarted_worker_store(d: Dist, timeout: datetime.timedelta) -> dist.Store | None:
     """The store for a worker group that torchrun restarted (--max-restarts), scoped to this attempt; None otherwise.
 
@@ -86,7 +91,7 @@ def restarted_worker_store(d: Dist, timeout: datetime.timedelta) -> dist.Store |
     every worker has the same restart count, so it scopes the keys safely; across nodes the counts can differ (an
     agent only counts its own failures), so there torch's behaviour stays and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
     in torchrun's environment is the remedy."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    attempt = restart_count()
     shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     one_node = os.environ.get("LOCAL_WORLD_SIZE") == str(d.world)
     if not (attempt and shared and one_node):

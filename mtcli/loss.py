@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mtcli.attention import ROW_MULTIPLE
 from mtcli.model import Transformer
 
 CHUNK_ROWS = 1024
-PAD_ROWS = 64
 
 
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
@@ -37,9 +37,9 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
         hidden_dtype = hidden.dtype
         if hidden.device.type == "cpu" and dtype != torch.float32:
             # CPU bf16 products run oneDNN kernels built for each exact shape (~5-10 ms per new one), and the last
-            # chunk's row count is new almost every batch: zero rows round it up to a multiple of PAD_ROWS. They add
+            # chunk's row count is new almost every batch: zero rows round it up to a multiple of ROW_MULTIPLE. They add
             # nothing to grad_weight (their h is 0); their losses and grad_hidden rows are dropped.
-            padded = -(-N // PAD_ROWS) * PAD_ROWS
+            padded = -(-N // ROW_MULTIPLE) * ROW_MULTIPLE
             hidden = torch.cat([hidden.to(dtype), hidden.new_zeros(padded - N, hidden.shape[1], dtype=dtype)])
             labels = torch.cat([labels, labels.new_zeros(padded - N)])
         else:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import random
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from mtcli.checkpoint import TrainState
 from mtcli.config import Config, TrainConfig
 from mtcli.data import EncodedSplit, PreparedData
 from mtcli.device import DTYPES, choose_precision, precision_name
-from mtcli.distributed import Dist, StopSignal, prepare_once
+from mtcli.distributed import Dist, StopSignal, prepare_once, restart_count
 from mtcli.errors import MtcliError
 from mtcli.evaluate import validation_bleu, validation_loss
 from mtcli.log import add_log_file, logger, remove_log_file
@@ -261,7 +260,7 @@ def open_run_dir(run_dir: Path, resume: bool, d: Dist) -> OpenRunDir:
 def torchrun_restart(run_dir: Path) -> bool:
     """Whether this is a worker group that torchrun restarted (--max-restarts) after a failure: it then continues
     from the run's last checkpoint by itself, since torchrun repeats the original command line."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = restart_count()
     if restarts and ckpt.last_checkpoint(run_dir) is not None:
         logger.warning(f"torchrun restart {restarts}: resuming from {ckpt.last_checkpoint(run_dir)}")
         return True

@@ -118,7 +118,7 @@ def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
 
 @pytest.mark.parametrize("rows", [5, 1024, 2500])
 def test_fused_projection_loss_under_cpu_bf16_autocast_matches_a_bf16_reference(rows):
-    """The CPU bf16 path pads the rows to a multiple of loss.PAD_ROWS: the padding must not show."""
+    """The CPU bf16 path pads the rows to a multiple of attention.ROW_MULTIPLE: the padding must not show."""
     torch.manual_seed(0)
     hidden = torch.randn(rows, 16, requires_grad=True)
     weight = (torch.randn(50, 16) * 0.3).requires_grad_()
