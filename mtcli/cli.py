@@ -31,7 +31,7 @@ ConfigOpt = typer.Option(
     "--config",
     "-c",
     help="YAML config: a path, or the name of a shipped config "
-    "(base.yaml, big.yaml, multi30k.yaml, opus100-en-zh.yaml, toy.yaml).",
+    f"({', '.join(sorted(p.name for p in (Path(__file__).parent / 'configs').glob('*.yaml')))}).",
 )
 SetOpt = typer.Option(None, "--set", help="Override a config key, e.g. --set train.lr=5e-4 (repeatable).")
 DecodeSetOpt = typer.Option(
