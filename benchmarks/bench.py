@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -94,12 +93,18 @@ def gemm_peak_gflops(dtype: torch.dtype, n: int = 2048, repeats: int = 10) -> fl
     return 2 * n**3 / best / 1e9
 
 
-def train_run(run: Path, updates: int, log_every: int, precision: str) -> None:
-    """`mtcli train` with the benchmark config in a child process (its peak RSS is then the child's own)."""
+def train_run(run: Path, updates: int, log_every: int, precision: str) -> float:
+    """`mtcli train` with the benchmark config in a child process; returns the child's own peak RSS in MB (wait4's
+    usage is that child's alone, where RUSAGE_CHILDREN would give the largest of all children so far)."""
     shutil.rmtree(run, ignore_errors=True)
     sets = [f"train.max_updates={updates}", f"train.log_every={log_every}", f"train.precision={precision}"]
     args = ["train", "--config", str(CONFIG), "--run-dir", str(run), *[x for s in sets for x in ("--set", s)]]
-    subprocess.run([sys.executable, "-m", "mtcli", *args], cwd=ROOT, check=True)
+    child = subprocess.Popen([sys.executable, "-m", "mtcli", *args], cwd=ROOT)
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise subprocess.CalledProcessError(child.returncode, child.args)
+    return usage.ru_maxrss / 1024  # KB on Linux
 
 
 def bench_training(cfg, data, precision: str) -> dict:
@@ -109,9 +114,7 @@ def bench_training(cfg, data, precision: str) -> dict:
     split, tc = data.split("train"), cfg.train
     epoch_len = len(epoch_batches(split.src_lens, split.tgt_lens, tc.max_tokens, tc.seed, 0))
     run = CACHE / f"train-run-{precision}"
-    rss_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    train_run(run, epoch_len + WARMUP_UPDATES + TIMED_UPDATES, log_every=10, precision=precision)
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the largest child so far
+    rss_mb = train_run(run, epoch_len + WARMUP_UPDATES + TIMED_UPDATES, log_every=10, precision=precision)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     vocab = data.tokenizer.tgt_vocab_size
     results = {}
@@ -139,7 +142,7 @@ def bench_training(cfg, data, precision: str) -> dict:
                     "train_flops_per_tgt_token": flops / tokens,
                 }
             )
-    results[f"peak_rss_mb_{precision}"] = max(rss, rss_before) / 1024
+    results[f"peak_rss_mb_{precision}"] = rss_mb
     return results
 
 
