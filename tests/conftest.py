@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from pathlib import Path
@@ -71,6 +72,11 @@ def invoke(*args, input=None):
     result = CliRunner().invoke(app, [str(a) for a in args], input=input, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return result
+
+
+def losses(run_dir: Path) -> list[float]:
+    """The per-update training losses a run logged in metrics.jsonl."""
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def train_toy(run: Path, cache: Path, settings: dict | None = None) -> Path:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
 import pytest
+from conftest import losses
 
 from mtcli.checkpoint import checkpoint_dir
 from mtcli.config import SHIPPED_CONFIGS, load_config
@@ -25,10 +25,6 @@ def claimed(name: str) -> tuple[int, int]:
     )
     assert found, f"{name} has no `# Model: N parameters with the V-piece ...` line"
     return int(found[1].replace(",", "")), int(found[2].replace(",", ""))
-
-
-def final_loss(run_dir) -> float:
-    return json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
 
 
 @pytest.mark.parametrize("name", SHIPPED)
@@ -53,7 +49,7 @@ def test_cpu_recipes_train_as_shipped_on_their_corpus(name, shared_data, tmp_pat
     cfg = load_config(name, overrides)
     result = train(cfg, tmp_path / "run")
     assert result.model.num_parameters() == claimed(name)[0]  # SentencePiece filled the whole vocabulary
-    assert math.isfinite(final_loss(tmp_path / "run"))
+    assert math.isfinite(losses(tmp_path / "run")[-1])
     assert (checkpoint_dir(tmp_path / "run") / "update_00000003" / "model.safetensors").is_file()
 
 
@@ -86,5 +82,5 @@ def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path):
     ]
     cfg = load_config(name, overrides)
     train(cfg, tmp_path / "run")
-    assert math.isfinite(final_loss(tmp_path / "run"))
+    assert math.isfinite(losses(tmp_path / "run")[-1])
     assert (checkpoint_dir(tmp_path / "run") / "update_00000002" / "model.safetensors").is_file()

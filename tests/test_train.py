@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import losses
 
 from mtcli import checkpoint as ckpt
 from mtcli.batching import epoch_batches
@@ -50,10 +51,6 @@ def cache_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("cache")
     prepare(tiny_config(folder))
     return folder
-
-
-def losses(run_dir):
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
