@@ -163,12 +163,12 @@ def training_rounds(cfg, data, peaks: dict, rounds: int) -> tuple[list[dict], di
     return measured, seen
 
 
-def combine_rounds(measured: list[dict], seen: dict, precisions: list[str]) -> dict:
+def combine_rounds(measured: list[dict], seen: dict) -> dict:
     """Each precision's best round per window, MFU against the highest peak of that precision seen in the run (the
     best speed against the best rate the host lent), every round's figures, and the peaks' largest change."""
     results = {"train_rounds": measured, "gemm_peaks_gflops_before_and_after_each_training_run": seen}
     results["gemm_peak_drift"] = max(max(v) / min(v) - 1 for v in seen.values())
-    for p in precisions:
+    for p in seen:  # the precisions trained
         mine = [m for m in measured if m["precision"] == p]
         best_first_epoch = max(mine, key=lambda m: m[f"train_tgt_tok_per_s_{p}"])
         results.update({k: v for k, v in best_first_epoch.items() if k not in ("round", "precision", "peaks_after")})
@@ -266,9 +266,8 @@ def main() -> None:
     auto, why = choose_precision("auto", torch.device("cpu"), cfg.model.d_model, cfg.model.d_ff)
     results["train_precision_auto"] = f"{auto} ({why})"
     print(f"GEMM peaks: fp32 {peaks['fp32']:.0f}, bf16 {peaks.get('bf16', 0):.0f} GFLOP/s; auto: {auto} ({why})")
-    precisions = list(peaks)
     measured, seen = training_rounds(cfg, data, peaks, args.rounds)
-    results.update(combine_rounds(measured, seen, precisions))
+    results.update(combine_rounds(measured, seen))
     peaks = {p: max(v) for p, v in seen.items()}  # the host's best rate in this run: what MFU is measured against
     results["gemm_peak_gflops_fp32"], results["gemm_peak_gflops_bf16"] = peaks["fp32"], peaks.get("bf16")
     if not has_bf16:
@@ -281,8 +280,8 @@ def main() -> None:
         pairs = zip(results["train_tgt_tok_per_s_rounds_fp32"], results["train_tgt_tok_per_s_rounds_bf16"])
         results["bf16_speedup_rounds"] = [bf16 / fp32 for fp32, bf16 in pairs]
     if not args.skip_base:
-        for precision in precisions:
-            results.update(bench_base(data, precision, peaks[precision]))
+        for precision, peak in peaks.items():
+            results.update(bench_base(data, precision, peak))
     if not args.quick:
         fp32_model = decode_model("fp32")
         for precision in ["fp32", "bf16", "int8"] if has_bf16 else ["fp32", "int8"]:
