@@ -65,6 +65,11 @@ class DataConfig:
     # null: `identity` if a side is zh/ja (NFKC would turn full-width punctuation into ASCII), else `nmt_nfkc`
     spm_normalization: Literal["nmt_nfkc", "nfkc", "identity"] | None = None
     spm_sample: int = 1_000_000  # sentences sampled from train to fit SentencePiece
+    # Subword regularisation (Kudo 2018; BPE-dropout for bpe models): every epoch re-encodes the training pairs with
+    # sampled segmentations, seeded by (train.seed, epoch). 0: off. Unigram: the smoothing exponent over the
+    # sampling_nbest best segmentations (-1: all of them); bpe: the merge-dropout probability. Valid/test: never.
+    sampling_alpha: float = 0.0
+    sampling_nbest: int = -1
     cache_dir: str = "data/cache"
 
     def __post_init__(self):
@@ -75,6 +80,17 @@ class DataConfig:
         )
         _check(self.vocab_size >= 16, "data.vocab_size", "must be at least 16")
         _check(self.spm_sample > 0, "data.spm_sample", "must be positive")
+        _check(self.sampling_alpha >= 0, "data.sampling_alpha", "must be 0 (off) or positive")
+        _check(
+            self.spm_model_type == "unigram" or self.sampling_alpha < 1,
+            "data.sampling_alpha",
+            "is the merge-dropout probability of a bpe model: keep it under 1 (0.1 is usual)",
+        )
+        _check(
+            self.sampling_nbest == -1 or self.sampling_nbest >= 2,
+            "data.sampling_nbest",
+            "must be -1 (sample from all segmentations) or at least 2",
+        )
         _check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
         cov = self.character_coverage
         _check(cov is None or 0.9 <= cov <= 1.0, "data.character_coverage", "must be between 0.9 and 1.0")

@@ -28,6 +28,7 @@ from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
 EVAL_ROLES = ("valid", "test")
+TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest")  # never change the cached content
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -36,7 +37,7 @@ EVAL_ROLES = ("valid", "test")
 
 def cache_key(cfg: DataConfig) -> dict:
     """Everything that changes the cached content; the folder name carries its hash."""
-    settings = {k: v for k, v in asdict(cfg).items() if k != "cache_dir"}
+    settings = {k: v for k, v in asdict(cfg).items() if k not in TRAIN_TIME_SETTINGS}
     return {
         "version": CACHE_VERSION,
         "sentencepiece": sentencepiece.__version__,
@@ -94,6 +95,49 @@ class EncodedSplit:
         """The raw (stripped) source and reference lines of an eval split: what translation and BLEU read."""
         read = lambda side: (self.folder / f"{self.role}.{side}.txt").read_text(encoding="utf-8").split("\n")[:-1]  # noqa: E731
         return read("src"), read("tgt")
+
+
+class SampledSplit:
+    """The training split re-encoded with sampled segmentations for one epoch (data.sampling_alpha): the same pairs
+    in the same order as `base`, so batching and collation read it like an EncodedSplit. The seed is (seed, epoch),
+    so every rank and a resumed run see the same pieces. A pair whose sample outgrows `limit` keeps its cached ids."""
+
+    def __init__(self, base: EncodedSplit, tokenizer: Tokenizer, cfg: DataConfig, seed: int, epoch: int, limit: int):
+        options = {"out_type": int, "enable_sampling": True, "alpha": cfg.sampling_alpha}
+        if cfg.spm_model_type == "unigram":
+            options["nbest_size"] = cfg.sampling_nbest
+        sentencepiece.set_random_generator_seed(seed * 100_003 + epoch)
+        flat: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
+        lens: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
+        for start in range(0, len(base), 10_000):  # in chunks: a WMT-size split never sits in RAM as Python lists
+            rows = range(start, min(start + 10_000, len(base)))
+            cached = {"src": [base.src(i).tolist() for i in rows], "tgt": [base.tgt(i).tolist() for i in rows]}
+            # One sentence at a time on this thread: a batched call would spread over threads and lose the order.
+            sampled = {
+                side: [sp.encode(line, **options) for line in sp.decode(cached[side])]
+                for side, sp in (("src", tokenizer.src), ("tgt", tokenizer.tgt))
+            }
+            for j in range(len(rows)):
+                if len(sampled["src"][j]) >= limit or len(sampled["tgt"][j]) >= limit:  # with EOS over the limit
+                    sampled["src"][j], sampled["tgt"][j] = cached["src"][j], cached["tgt"][j]
+            for side, seqs in sampled.items():
+                flat[side].append(np.fromiter((i for x in seqs for i in x), dtype=np.int32))
+                lens[side].append(np.fromiter((len(x) for x in seqs), dtype=np.int64, count=len(seqs)))
+        self._tokens = {side: np.concatenate(flat[side] or [np.zeros(0, np.int32)]) for side in flat}
+        self._offsets = {side: np.concatenate([[0], np.cumsum(np.concatenate(lens[side] or [[]]))]) for side in lens}
+        self.src_lens = (np.diff(self._offsets["src"]) + 1).astype(np.int64)  # with EOS, as EncodedSplit's
+        self.tgt_lens = (np.diff(self._offsets["tgt"]) + 1).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.src_lens)
+
+    def src(self, i: int) -> np.ndarray:
+        off = self._offsets["src"]
+        return self._tokens["src"][off[i] : off[i + 1]]
+
+    def tgt(self, i: int) -> np.ndarray:
+        off = self._offsets["tgt"]
+        return self._tokens["tgt"][off[i] : off[i + 1]]
 
 
 def _memmap(path: Path, dtype: str) -> np.ndarray:

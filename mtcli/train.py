@@ -31,7 +31,7 @@ from mtcli import checkpoint as ckpt
 from mtcli.batching import Batch, UpdatePlan, collate, epoch_batches, plan_updates
 from mtcli.checkpoint import TrainState
 from mtcli.config import Config, TrainConfig
-from mtcli.data import EncodedSplit, PreparedData
+from mtcli.data import EncodedSplit, PreparedData, SampledSplit
 from mtcli.device import DTYPES, choose_precision, precision_name
 from mtcli.distributed import Dist, StopSignal, prepare_once, restart_count
 from mtcli.errors import MtcliError
@@ -151,6 +151,7 @@ class Run:
     usable: np.ndarray  # training examples that fit the length limits
     accum: int  # micro-batches per update and process
     plans: tuple[int, list[UpdatePlan]] = (-1, [])  # (epoch, its update plans), computed once per epoch
+    epoch_split: EncodedSplit | SampledSplit | None = None  # what the plans index: train_split, or its resampling
 
     @property
     def model(self) -> Transformer:
@@ -183,7 +184,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
             if plan is None:
                 stopped_by = "max_epochs"
                 break
-            batches = [collate_examples(run.train_split, b).to(device, non_blocking=True) for b in plan.batches]
+            batches = [collate_examples(run.epoch_split, b).to(device, non_blocking=True) for b in plan.batches]
             lr = lr_at(state.update + 1, tc)
             step = train_step(run.trainer, batches, plan.tgt_tokens, lr, tc.clip_norm)
             if not step.finite:
@@ -311,7 +312,7 @@ def next_update_plan(run: Run) -> UpdatePlan | None:
         if tc.max_epochs and state.epoch >= tc.max_epochs:
             return None
         if run.plans[0] != state.epoch:
-            split, usable = run.train_split, run.usable
+            split, usable = epoch_split(run, state.epoch), run.usable
             batches = [
                 usable[b]
                 for b in epoch_batches(
@@ -322,6 +323,7 @@ def next_update_plan(run: Run) -> UpdatePlan | None:
                 state.epoch,
                 plan_updates(batches, split.src_lens, split.tgt_lens, run.accum, run.dist.rank, run.dist.world),
             )
+            run.epoch_split = split
             if not run.plans[1]:
                 raise MtcliError(
                     f"the training split makes fewer batches than the {run.dist.world} processes; lower "
@@ -333,7 +335,25 @@ def next_update_plan(run: Run) -> UpdatePlan | None:
         state.epoch, state.next_in_epoch = state.epoch + 1, 0
 
 
-def collate_examples(split: EncodedSplit, indices: np.ndarray, max_len: int = 0) -> Batch:
+def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
+    """The training split as this epoch sees it: the cached ids, or a fresh sampled segmentation of them."""
+    dc = run.cfg.data
+    if not dc.sampling_alpha:
+        return run.train_split
+    start = time.time()
+    limit = min(run.cfg.model.max_positions, run.cfg.train.max_tokens)
+    split = SampledSplit(run.train_split, run.data.tokenizer, dc, run.cfg.train.seed, epoch, limit)
+    if run.plans[0] == -1:  # once per run: what sampling costs and how much longer it makes the pairs
+        growth = split.tgt_lens[run.usable].sum() / run.train_split.tgt_lens[run.usable].sum()
+        logger.info(
+            f"subword sampling (alpha {dc.sampling_alpha:g}"
+            + (f", nbest {dc.sampling_nbest}" if dc.spm_model_type == "unigram" else "")
+            + f"): epoch {epoch + 1} re-encoded in {time.time() - start:.1f} s, target side x{growth:.2f} tokens"
+        )
+    return split
+
+
+def collate_examples(split: EncodedSplit | SampledSplit, indices: np.ndarray, max_len: int = 0) -> Batch:
     return collate([split.src(i) for i in indices], [split.tgt(i) for i in indices], max_len)
 
 

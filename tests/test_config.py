@@ -88,6 +88,9 @@ def test_unknown_section_names_closest_section(tmp_path):
         ("data", {"vocab_size": 8}, "data.vocab_size"),
         ("data", {"max_ratio": 0.5}, "data.max_ratio"),  # under 1 would drop every pair
         ("data", {"max_ratio": -1}, "data.max_ratio"),
+        ("data", {"sampling_alpha": -0.1}, "data.sampling_alpha"),
+        ("data", {"sampling_alpha": 1.0, "spm_model_type": "bpe"}, "data.sampling_alpha"),  # a dropout probability
+        ("data", {"sampling_nbest": 1}, "data.sampling_nbest"),  # 0 or 1 would not sample
         ("data", {"tgt_lang": "en"}, "data.tgt_lang"),
         ("data", {"splits": "train"}, "data.splits"),
     ],

@@ -502,6 +502,9 @@ def test_second_prepare_is_a_cache_hit(tmp_path, tiny_corpus, monkeypatch, log):
     # Nor does where the cache lives.
     moved = make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS, "cache_dir": str(tmp_path / "c2")})
     assert mtcli.data.cache_folder(moved.data).name == first.folder.name
+    # Nor subword sampling, which re-encodes the cached training pairs at training time.
+    sampled = make_config(tmp_path, {"path": str(tiny_corpus), "splits": SPLITS, "sampling_alpha": 0.3})
+    assert prepare(sampled).folder == first.folder
 
 
 def test_force_rebuilds_the_same_folder(tmp_path, tiny_corpus, log):
@@ -542,6 +545,41 @@ def test_touching_a_file_invalidates_the_cache(tmp_path, tiny_corpus):
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 5_000_000_000))
     assert prepare(cfg).folder != first.folder
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Subword sampling
+
+
+@pytest.mark.parametrize("model_type", ["unigram", "bpe"])
+def test_subword_sampling_resegments_the_same_pairs_reproducibly(tmp_path, tiny_corpus, model_type):
+    """Each epoch's sampled split holds the same pairs (same text when decoded) in new pieces; the same (seed, epoch)
+    gives the same pieces, so every rank and a resumed run agree; a sample over the length limit keeps its ids."""
+    cfg = make_config(tmp_path, {"path": str(tiny_corpus), "spm_model_type": model_type, "sampling_alpha": 0.3})
+    data = prepare(cfg)
+    base = data.split("train")
+    tok = data.tokenizer
+
+    def sampled(seed, epoch, limit=256):
+        return mtcli.data.SampledSplit(base, tok, cfg.data, seed, epoch, limit)
+
+    def pieces(split):
+        return [(split.src(i).tolist(), split.tgt(i).tolist()) for i in range(len(split))]
+
+    one = sampled(1, 0)
+    assert len(one) == len(base)
+    assert pieces(one) == pieces(sampled(1, 0))
+    assert pieces(one) != pieces(sampled(1, 1)) and pieces(one) != pieces(sampled(2, 0))
+    assert pieces(one) != pieces(base)
+    for i in range(len(base)):
+        assert tok.src.decode(one.src(i).tolist()) == tok.src.decode(base.src(i).tolist())
+        assert tok.decode_tgt([one.tgt(i).tolist()]) == tok.decode_tgt([base.tgt(i).tolist()])
+    assert (one.src_lens == [len(one.src(i)) + 1 for i in range(len(one))]).all()
+    assert one.tgt_lens.sum() > base.tgt_lens.sum()  # sampled segmentations are longer on average
+    limit = int(max(base.src_lens.max(), base.tgt_lens.max()))
+    tight = sampled(1, 0, limit)
+    assert max(one.src_lens.max(), one.tgt_lens.max()) > limit  # so the limit matters here
+    assert (tight.src_lens <= limit).all() and (tight.tgt_lens <= limit).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

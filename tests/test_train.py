@@ -222,13 +222,19 @@ def test_a_corrupt_checkpoint_is_a_one_line_error(cache_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("decode_precision", ["fp32", "bf16"])
-def test_resume_gives_the_same_losses_as_an_uninterrupted_run(cache_dir, tmp_path, decode_precision):
+@pytest.mark.parametrize("decode_precision, sampling", [("fp32", 0.0), ("bf16", 0.0), ("fp32", 0.3)])
+def test_resume_gives_the_same_losses_as_an_uninterrupted_run(cache_dir, tmp_path, decode_precision, sampling):
     """Stopped at update 7 (between validations, in the first epoch) and resumed: bit-identical per-update losses and
     weights, across an epoch boundary and a validation. The stopped run validates at 7 and the full one does not,
     so validation must not draw from training's random streams, whatever precision it decodes in (bf16 decoding
-    once did, through a probe: the resumed run's dropout masks then differed from update 8 on)."""
-    big_batches = {"train.max_tokens": 8192, "train.precision": "fp32", "decode.precision": decode_precision}
+    once did, through a probe: the resumed run's dropout masks then differed from update 8 on). With subword
+    sampling, the resumed epoch must get the same pieces as the uninterrupted one."""
+    big_batches = {
+        "train.max_tokens": 8192,
+        "train.precision": "fp32",
+        "decode.precision": decode_precision,
+        "data.sampling_alpha": sampling,
+    }
     full = train(tiny_config(cache_dir, **big_batches), tmp_path / "full")
     part = tiny_config(cache_dir, **big_batches, **{"train.max_updates": 7})
     train(part, tmp_path / "part")
