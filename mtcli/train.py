@@ -341,8 +341,7 @@ def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
     if not dc.sampling_alpha:
         return run.train_split
     start = time.time()
-    limit = min(run.cfg.model.max_positions, run.cfg.train.max_tokens)
-    split = SampledSplit(run.train_split, run.data.tokenizer, dc, run.cfg.train.seed, epoch, limit)
+    split = SampledSplit(run.train_split, run.data.tokenizer, dc, run.cfg.train.seed, epoch, length_limit(run.cfg))
     if run.plans[0] == -1:  # once per run: what sampling costs and how much longer it makes the pairs
         growth = split.tgt_lens[run.usable].sum() / run.train_split.tgt_lens[run.usable].sum()
         logger.info(
@@ -357,9 +356,14 @@ def collate_examples(split: EncodedSplit | SampledSplit, indices: np.ndarray, ma
     return collate([split.src(i) for i in indices], [split.tgt(i) for i in indices], max_len)
 
 
+def length_limit(cfg: Config) -> int:
+    """The most tokens (with EOS/BOS) a training side may have: the model's positions and the batch budget."""
+    return min(cfg.model.max_positions, cfg.train.max_tokens)
+
+
 def usable_examples(split: EncodedSplit, cfg: Config) -> np.ndarray:
     """Training examples that fit the model's positions and the batch budget (the rest are left out, with a note)."""
-    limit = min(cfg.model.max_positions, cfg.train.max_tokens)
+    limit = length_limit(cfg)
     ok = (split.src_lens <= limit) & (split.tgt_lens <= limit)
     left_out = int((~ok).sum())
     if left_out:
