@@ -225,8 +225,10 @@ def bench_decoding(cfg, checkpoint: Path, precision: str, modes=(("greedy", 1), 
     sources, references = eval_texts(cfg, "test")
     results = {}
     for name, beam in modes:
+        # The peers' decoding spec: batches of 64 sentences, length penalty exponent 1.0 (HF and CTranslate2 divide
+        # by length ** 1.0, mtcli by GNMT's ((5 + length) / 6) ** 1.0).
         decode = replace(
-            translator.config.decode, beam=beam, nbest=1, lenpen=0.6, batch_tokens=10**9, batch_sentences=64
+            translator.config.decode, beam=beam, nbest=1, lenpen=1.0, batch_tokens=10**9, batch_sentences=64
         )
         translator.translate(sources[:64], decode)  # warm-up
         start = time.perf_counter()
