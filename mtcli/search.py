@@ -103,11 +103,14 @@ def beam_search(
 ) -> list[list[Hypothesis]]:
     """Beam search; returns the `nbest` best hypotheses per sentence, best first.
 
-    A sentence's search ends when it has `nbest` finished hypotheses and no live one scores better than the
-    nbest-th at its current length (the usual rule, for the n-best asked for; it also makes beam 1 identical to
-    greedy search), or at its length limit.
+    A sentence's search ends when it has k = max(beam_size, nbest) finished hypotheses and no live one scores better
+    than the k-th at its current length (Hugging Face's rule; fairseq also waits for k), or at its length limit.
+    Stopping at the first finished hypothesis that beats the live ones is cheaper but ends too early under a length
+    penalty, which lets a longer hypothesis overtake later: on Multi30k valid (beam 5, length penalty 1.0) it
+    gave 0.3 BLEU less, with outputs 1.4% shorter. Beam 1 stays identical to greedy search.
     """
     B, k, device = src.shape[0], beam_size, src.device
+    wanted = max(k, nbest)  # finished hypotheses a sentence waits for
     # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
     memory = model.encode(src, src_pad_mask)
     max_total = int(max_lens.max())
@@ -157,16 +160,16 @@ def beam_search(
         live_scores = top_scores.gather(1, live_order).masked_fill(not_live.gather(1, live_order), NEG_INF)  # (n, k)
         live_beams = top_beams.gather(1, live_order)
         live_tokens = top_tokens.gather(1, live_order)
-        # (6) Which sentences are done: `nbest` finished, the worst of which no live hypothesis beats at its present
-        # length (waiting for k finished when only the best is wanted costs steps, not quality).
+        # (6) Which sentences are done: `wanted` finished, the worst of which no live hypothesis beats at its present
+        # length.
         best_live = live_scores[:, 0].tolist()
         is_done = []
         for i, sentence in enumerate(sentences.tolist()):
             hyps = finished[sentence]
-            if len(hyps) >= nbest:
+            if len(hyps) >= wanted:
                 hyps.sort(key=lambda h: -h.score)
-                del hyps[k:]
-                is_done.append(best_live[i] / length_penalty(step + 1, lenpen) <= hyps[nbest - 1].score)
+                del hyps[wanted:]
+                is_done.append(best_live[i] / length_penalty(step + 1, lenpen) <= hyps[wanted - 1].score)
             else:
                 is_done.append(best_live[i] == NEG_INF)  # no live candidates left (e.g. at the length limit)
         done = torch.tensor(is_done, device=device)

@@ -100,6 +100,19 @@ def test_nbest_is_sorted_and_distinct():
     assert hyps[0].score >= hyps[1].score >= hyps[2].score
 
 
+def test_beam_waits_for_k_finished_hypotheses_so_a_length_penalty_can_prefer_a_longer_one():
+    """Ending at the first finished hypothesis that beats the live ones (here: the empty output, log 0.5 against
+    log 0.48) is too early under a length penalty: [4] then ends with log(0.48 * 0.99), which the penalty of its
+    extra token lifts above the empty output."""
+    table = {(): {EOS: 0.5, 4: 0.48, 5: 0.02}, (4,): {EOS: 0.99, 6: 0.01}}
+    model = MockModel(table)
+    src, mask = src_batch([3])
+    best = beam_search(model, src, mask, torch.tensor([5]), beam_size=2, lenpen=2.0)[0][0]
+    assert best.tokens == [4]
+    assert best.score == pytest.approx(math.log(0.48 * 0.99) / length_penalty(2, 2.0), abs=1e-4)
+    assert best.score > math.log(0.5) / length_penalty(1, 2.0)
+
+
 def test_max_length_is_respected_and_forces_eos():
     # The model never wants to stop; the limit makes it.
     never_stop = {4: 0.7, 5: 0.2999, EOS: 0.0001}
