@@ -16,21 +16,28 @@ from mtcli.cache import LayerCache
 ROW_MULTIPLE = 64
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`, with the row count rounded up to a multiple of ROW_MULTIPLE under CPU autocast (bf16 training).
+def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """Under CPU autocast (bf16 training): x as 2-D rows in the autocast dtype, zero rows appended up to a multiple
+    of ROW_MULTIPLE, and the real row count. None elsewhere (fp32 (MKL) and GPU products, decoding without autocast).
 
     oneDNN builds a bf16 matrix-product kernel for each exact shape (~3 ms each, three per layer and batch shape),
     and a token-budget batch's sentences x length is new almost every batch: on the benchmark's first epoch,
     building kernels took ~50 ms of a ~500 ms update. Zero rows make the shapes repeat; their outputs are dropped
-    and their gradients are zero, so the weight gradient is unchanged. They add <2% rows. fp32 (MKL) and GPU
-    products have no such cost, and decoding (no autocast) calls the layer as it is."""
-    if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or type(layer) is not nn.Linear:
-        return layer(x)
+    and their gradients are zero, so the weight gradients are unchanged. They add <2% rows."""
+    if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return None
     rows = x.reshape(-1, x.shape[-1]).to(torch.get_autocast_dtype("cpu"))
     n = rows.shape[0]
     padded = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
-    if padded != n:
-        rows = F.pad(rows, (0, 0, 0, padded - n))
+    return (F.pad(rows, (0, 0, 0, padded - n)) if padded != n else rows), n
+
+
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`layer(x)`, on padded rows under CPU autocast (see padded_rows)."""
+    padded = padded_rows(x) if type(layer) is nn.Linear else None
+    if padded is None:
+        return layer(x)
+    rows, n = padded
     return F.linear(rows, layer.weight, layer.bias)[:n].view(*x.shape[:-1], layer.out_features)
 
 

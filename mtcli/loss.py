@@ -48,40 +48,46 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
         total = hidden.new_zeros((), dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
-        # One logits buffer for every chunk, written by the matrix product and then in place: a fresh (n, V)
-        # tensor per chunk costs page faults on CPU and allocator traffic on GPU.
-        buffer = torch.empty(min(hidden.shape[0], CHUNK_ROWS), V, dtype=torch.float32, device=hidden.device)
-        w_sum = w.sum(dim=0, dtype=torch.float32).to(w.dtype) if needs_grad else None
+        # fp32: one logits buffer for every chunk, written by the matrix product: a fresh (n, V) tensor per chunk
+        # costs page faults on CPU and allocator traffic on GPU.
+        rows = min(hidden.shape[0], CHUNK_ROWS)
+        buffer = (
+            torch.empty(rows, V, dtype=torch.float32, device=hidden.device) if hidden.dtype == torch.float32 else None
+        )
+        # mean_v z_v = h . mean_v w_v: label smoothing's uniform term as a matrix-vector product, not a pass over z
+        w_mean = weight.float().mean(dim=0)
+        w_sum = (w_mean * V).to(w.dtype) if needs_grad else None
         for start in range(0, hidden.shape[0], CHUNK_ROWS):
             h, y = hidden[start : start + CHUNK_ROWS], labels[start : start + CHUNK_ROWS]
             n = h.shape[0]
-            logits = buffer[:n]
             if h.dtype == torch.float32:
-                torch.mm(h, w.t(), out=logits)  # (n, V)
+                logits = torch.mm(h, w.t(), out=buffer[:n])  # (n, V)
             else:
-                logits.copy_(h @ w.t())
-            # -log p[y] = lse - z_y; mean_v(-log p[v]) = lse - mean_v z_v; with z shifted by the row max m
-            m = logits.amax(dim=1, keepdim=True)  # (n, 1)
-            target = logits.gather(1, y[:, None]).squeeze(1)
-            mean_logit = logits.mean(dim=1)
-            probs = logits.sub_(m).exp_()  # unnormalised, in place of the logits
-            sum_exp = probs.sum(dim=1)
-            lse = m.squeeze(1) + sum_exp.log()
+                logits = h @ w.t()  # bf16/fp16: the product's own dtype; softmax computes in fp32 internally
+            # One fused softmax pass (in the logits' dtype: bf16 probabilities are what the bf16 products below take).
+            # The loss needs the log-sum-exp: lse = z_y - log p_y. Where p_y is too small for that to be exact
+            # (under ~1e-30, a hopeless prediction), those rows get the log-sum-exp computed directly.
+            probs = torch.softmax(logits, dim=1)
+            target = logits.gather(1, y[:, None]).squeeze(1).float()
+            p_target = probs.gather(1, y[:, None]).squeeze(1).float()
+            lse = target - p_target.log()
+            tiny = p_target < 1e-30
+            if bool(tiny.any()):
+                lse[tiny] = torch.logsumexp(logits[tiny].float(), dim=1)
+            mean_logit = h.float() @ w_mean
             total += (lse - (1 - eps) * target - eps * mean_logit)[: N - start].sum()
             if not needs_grad:
                 continue
             # d loss / d z = softmax(z) - (1 - eps) * onehot(y) - eps / V. The softmax goes through both matrix
             # products as is; the one-hot and uniform terms are added as a row gather and a rank-one correction.
-            probs.div_(sum_exp[:, None])
-            p = probs if h.dtype == torch.float32 else probs.to(h.dtype)
-            grad_h = p @ w  # (n, d)
+            grad_h = probs @ w  # (n, d)
             grad_h.sub_(w.index_select(0, y), alpha=1 - eps)
             grad_h.sub_(w_sum, alpha=eps / V)
             grad_hidden[start : start + n] = grad_h
             if h.dtype == torch.float32:
-                grad_weight.addmm_(p.t(), h)
+                grad_weight.addmm_(probs.t(), h)
             else:
-                grad_weight.add_((p.t() @ h).float())
+                grad_weight.add_((probs.t() @ h).float())
             grad_weight.index_add_(0, y, h.float(), alpha=-(1 - eps))
             grad_weight.sub_(h.sum(dim=0, dtype=torch.float32), alpha=eps / V)  # broadcast over every row
         if grad_hidden is not None:

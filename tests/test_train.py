@@ -113,6 +113,21 @@ def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
         )
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_projection_loss_is_exact_where_the_target_probability_underflows(bf16):
+    """The loss takes log-sum-exp as z_y - log p_y; a target 200 logits below the best has p_y = 0 in fp32 and bf16,
+    and must still get its true loss (~200), not inf."""
+    hidden = torch.tensor([[200.0, 0.0], [0.0, 1.0]], requires_grad=True)
+    weight = torch.eye(2)
+    labels = torch.tensor([1, 1])
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = projection_cross_entropy(hidden, weight, labels, 0.0)
+    loss.backward()
+    reference = F.cross_entropy(hidden.detach() @ weight.t(), labels, reduction="sum")
+    assert float(loss.detach()) == pytest.approx(float(reference), rel=1e-3) and float(reference) > 200
+    assert torch.isfinite(hidden.grad).all()
+
+
 @pytest.mark.parametrize("rows", [5, 1024, 2500])
 def test_fused_projection_loss_under_cpu_bf16_autocast_matches_a_bf16_reference(rows):
     """The CPU bf16 path pads the rows to a multiple of attention.ROW_MULTIPLE: the padding must not show."""
