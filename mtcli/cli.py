@@ -13,6 +13,7 @@ from pathlib import Path
 import typer
 
 from mtcli import __version__
+from mtcli.config import shipped_config_names
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 
@@ -30,8 +31,7 @@ ConfigOpt = typer.Option(
     ...,
     "--config",
     "-c",
-    help="YAML config: a path, or the name of a shipped config "
-    f"({', '.join(sorted(p.name for p in (Path(__file__).parent / 'configs').glob('*.yaml')))}).",
+    help=f"YAML config: a path, or the name of a shipped config ({', '.join(shipped_config_names())}).",
 )
 SetOpt = typer.Option(None, "--set", help="Override a config key, e.g. --set train.lr=5e-4 (repeatable).")
 DecodeSetOpt = typer.Option(

@@ -267,6 +267,10 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def shipped_config_names() -> list[str]:
+    return sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
+
+
 def resolve_config_path(name: str | Path) -> Path:
     """A path as given, else the same name among the configs shipped with the package."""
     path = Path(name)
@@ -275,8 +279,7 @@ def resolve_config_path(name: str | Path) -> Path:
     for candidate in (SHIPPED_CONFIGS / path.name, SHIPPED_CONFIGS / f"{path.name}.yaml"):
         if candidate.is_file():
             return candidate
-    shipped = ", ".join(sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml")))
-    raise ConfigError(f"config file not found: {name} (shipped configs: {shipped})")
+    raise ConfigError(f"config file not found: {name} (shipped configs: {', '.join(shipped_config_names())})")
 
 
 def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
