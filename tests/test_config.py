@@ -15,10 +15,11 @@ from mtcli.config import (
     config_from_dict,
     load_config,
     resolve_config_path,
+    shipped_config_names,
 )
 from mtcli.errors import MtcliError
 
-SHIPPED = sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
+SHIPPED = shipped_config_names()
 
 
 def write(tmp_path, tree: dict | str, name: str = "run.yaml"):

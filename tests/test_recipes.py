@@ -9,11 +9,11 @@ import pytest
 from conftest import losses
 
 from mtcli.checkpoint import checkpoint_dir
-from mtcli.config import SHIPPED_CONFIGS, load_config
+from mtcli.config import SHIPPED_CONFIGS, load_config, shipped_config_names
 from mtcli.model import Transformer
 from mtcli.train import train
 
-SHIPPED = sorted(p.name for p in SHIPPED_CONFIGS.glob("*.yaml"))
+SHIPPED = shipped_config_names()
 # The CPU recipes whose figures the README reports, with the shared corpus each is trained on.
 RECIPES = {"multi30k.yaml": "multi30k", "tatoeba-en-zh.yaml": "tatoeba-zh-en"}
 
