@@ -39,6 +39,12 @@ DecodeSetOpt = typer.Option(
 )
 RunOpt = typer.Option(None, "--run", help="Run directory (default: the latest run under ./runs).")
 CheckpointOpt = typer.Option(None, "--checkpoint", help="A checkpoint folder (default: the run's best).")
+EnsembleOpt = typer.Option(
+    None,
+    "--ensemble",
+    help="Another run (its best checkpoint) or checkpoint folder to translate with, averaging next-token "
+    "probabilities; same SentencePiece model needed (repeatable).",
+)
 DeviceOpt = typer.Option("auto", help="auto, cpu, cuda or cuda:N.")
 PrecisionOpt = typer.Option(
     None,
@@ -126,6 +132,7 @@ def translate(
     top_p: float = typer.Option(None, "--top-p", help="Sample from the smallest set with this probability."),
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
     precision: str = PrecisionOpt,
+    ensemble: list[Path] = EnsembleOpt,
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
 ):
@@ -161,7 +168,7 @@ def translate(
         options |= dict(sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
         options |= dict(batch_tokens=batch_tokens, precision=precision)
         decode = decode_settings(with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode, **options)
-        translator = Translator.from_checkpoint(ckpt, device, decode.precision)
+        translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
         if stdin:
             write_translations(translator, stdin_chunks(max_chars=translator.max_chars), decode, out)
         elif lines is not None:
@@ -185,6 +192,7 @@ def evaluate(
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
     lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive BLEU and chrF (sacreBLEU -lc)."),
     precision: str = PrecisionOpt,
+    ensemble: list[Path] = EnsembleOpt,
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -204,16 +212,20 @@ def evaluate(
     sources, references, stem = evaluation_set(cfg, split, src, ref)
     options = dict(beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, precision=precision)
     decode = decode_settings(cfg.decode, nbest=1, sampling=False, **options)
-    translator = Translator.from_checkpoint(ckpt, device, decode.precision)
+    translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
     out_dir = run_of(ckpt) / "eval"
-    result = run_eval(translator, sources, references, decode, out_dir, f"{stem}.{ckpt.name}", lowercase, True)
+    name = f"{stem}.{ckpt.name}" + (f".ensemble{len(translator.ensemble) + 1}" if translator.ensemble else "")
+    result = run_eval(translator, sources, references, decode, out_dir, name, lowercase, True)
     result["checkpoint"] = str(ckpt)
+    result["ensemble"] = [str(p) for p in translator.ensemble]
     if as_json:
         print(json.dumps(result, indent=1, ensure_ascii=False))
     else:
         print(f"{result['bleu_detail']}  [{result['signature']}]")
         print(f"chrF2 = {result['chrf']:.2f}  [{result['chrf_signature']}]")
         print(f"precision: {result['precision']}, beam {result['beam']}, length penalty {result['lenpen']}")
+        if translator.ensemble:
+            print(f"ensemble: {ckpt}, {', '.join(result['ensemble'])} (next-token probabilities averaged)")
         print(f"hypotheses: {result['hypotheses']}\nreferences: {result['references']}")
         print(f"check: {result['command']}")
 

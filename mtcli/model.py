@@ -2,7 +2,7 @@
 
 Public API: `encode(src, src_pad_mask) -> memory`, `decode(tgt, memory, src_pad_mask, cache) -> logits`, and
 `forward`, which composes the two. `decode_hidden` and `logits` split `decode` so training can project only the
-non-padding positions onto the vocabulary. Search drives `decode` one token at a time with a `KVCache`.
+non-padding positions onto the vocabulary. Search drives `decode` one token at a time with a `KVCache` from `new_cache`.
 """
 
 from __future__ import annotations
@@ -194,6 +194,9 @@ class Transformer(nn.Module):
         self, tgt: torch.Tensor, memory: torch.Tensor, src_pad_mask: torch.Tensor, cache: KVCache | None = None
     ) -> torch.Tensor:
         return self.logits(self.decode_hidden(tgt, memory, src_pad_mask, cache))  # (N, T, V)
+
+    def new_cache(self, rows: int, max_len: int, device, dtype=None) -> KVCache:
+        return KVCache.for_model(self, rows, max_len, device, dtype)
 
     def forward(self, src: torch.Tensor, src_pad_mask: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         return self.decode(tgt_in, self.encode(src, src_pad_mask), src_pad_mask)

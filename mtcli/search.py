@@ -1,7 +1,8 @@
 """Search: greedy, beam and sampling over batches of sentences, all on the model's incremental-decoding cache.
 
-The encoder runs once; each step feeds only the newest token to `Transformer.decode` with a `KVCache`. Sentences
-whose search is over leave the batch (and the cache), so long outliers do not keep the whole batch busy.
+The encoder runs once; each step feeds only the newest token to `Transformer.decode` with a `KVCache` (from
+`model.new_cache`); an `Ensemble` offers the same three calls. Sentences whose search is over leave the batch (and
+the cache), so long outliers do not keep the whole batch busy.
 
 Lengths count output subwords without EOS. `max_lens[i]` is the most a sentence may produce: at that length EOS is
 the only choice.
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mtcli.cache import KVCache
+from mtcli.ensemble import EnsembleCache
 from mtcli.tokenizer import BOS, EOS, PAD
 
 NEG_INF = float("-inf")
@@ -38,7 +40,14 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, max_positions: 
 
 
 def _step_log_probs(
-    model, tokens: torch.Tensor, memory, src_pad_mask, cache: KVCache, step: int, max_lens: torch.Tensor, min_len: int
+    model,
+    tokens: torch.Tensor,
+    memory: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    cache: KVCache | EnsembleCache,
+    step: int,
+    max_lens: torch.Tensor,
+    min_len: int,
 ) -> torch.Tensor:
     """Log-probabilities of the next token, (N, V) in float32, with the length constraints applied."""
     logits = model.decode(tokens, memory, src_pad_mask, cache)[:, -1]
@@ -62,7 +71,7 @@ def greedy_search(
     """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability)."""
     B, device = src.shape[0], src.device
     memory = model.encode(src, src_pad_mask)
-    cache = KVCache.for_model(model, B, int(max_lens.max()) + 1, device, memory.dtype)
+    cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
     active = torch.arange(B, device=device)  # sentence index of each row
     tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
@@ -114,7 +123,7 @@ def beam_search(
     # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
     memory = model.encode(src, src_pad_mask)
     max_total = int(max_lens.max())
-    cache = KVCache.for_model(model, B * k, max_total + 1, device, memory.dtype)
+    cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
     sentences = torch.arange(B, device=device)  # sentence index of each batch entry still searching
     tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=device)
     history = torch.empty((B * k, 0), dtype=torch.long, device=device)  # output tokens per row
@@ -240,7 +249,7 @@ def sample(
     """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""
     B, device = src.shape[0], src.device
     memory = model.encode(src, src_pad_mask)
-    cache = KVCache.for_model(model, B, int(max_lens.max()) + 1, device, memory.dtype)
+    cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
     tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
     log_prob_sums = torch.zeros(B, device=device)

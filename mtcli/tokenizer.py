@@ -104,6 +104,13 @@ class Tokenizer:
     def tgt_vocab_size(self) -> int:
         return self.tgt.get_piece_size()
 
+    def same_as(self, other: Tokenizer) -> bool:
+        """The same SentencePiece model(s), byte for byte: the same ids mean the same pieces."""
+        return (self.src.serialized_model_proto(), self.tgt.serialized_model_proto()) == (
+            other.src.serialized_model_proto(),
+            other.tgt.serialized_model_proto(),
+        )
+
     def encode_src(self, lines: list[str]) -> list[list[int]]:
         return self.src.encode(lines, out_type=int, num_threads=self.threads)
 

@@ -27,6 +27,7 @@ from mtcli.batching import collate, token_budget_batches
 from mtcli.checkpoint import best_checkpoint, last_checkpoint, load_model
 from mtcli.config import Config, DecodeConfig
 from mtcli.device import choose_precision, resolve_device
+from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
 from mtcli.log import logger, progress_bar
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
@@ -79,6 +80,12 @@ def resolve_checkpoint(run: Path | str | None = None, checkpoint: Path | str | N
     which = "best by validation" if best else "newest; no validation yet"
     logger.info(f"checkpoint: {ckpt} ({which}{', latest run under ./runs' if latest else ''})")
     return ckpt
+
+
+def resolve_member(path: Path | str) -> Path:
+    """An ensemble member given as a run directory (its best checkpoint) or as a checkpoint folder."""
+    path = Path(path)
+    return resolve_checkpoint(path) if (path / "checkpoints").is_dir() else path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -166,15 +173,38 @@ class Translator:
         self.max_chars = 64 * config.model.max_positions
         self.generator: torch.Generator | None = None
         self.checkpoint: Path | None = None  # where the weights came from, when loaded from a checkpoint
+        self.ensemble: list[Path] = []  # the other members' checkpoints, when it translates as an ensemble
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Path | str, device: str = "auto", precision: str | None = None) -> Translator:
-        """precision: auto, fp32, bf16 or int8; default the checkpoint's decode.precision."""
+    def from_checkpoint(
+        cls,
+        checkpoint: Path | str,
+        device: str = "auto",
+        precision: str | None = None,
+        ensemble: Iterable[Path | str] = (),
+    ) -> Translator:
+        """precision: auto, fp32, bf16 or int8; default the checkpoint's decode.precision. `ensemble`: more
+        checkpoint folders or run directories (their best checkpoint) with the same SentencePiece model(s); their
+        next-token probabilities are averaged with this one's (see mtcli.ensemble). The decode settings are this
+        checkpoint's."""
         dev = resolve_device(device)
         model, config, tokenizer = load_model(Path(checkpoint), dev)
         name = translation_precision(precision or config.decode.precision, config.model, dev)
-        translator = cls(inference_model(model, name), tokenizer, config, dev, name)
+        model = inference_model(model, name)
+        members, others = [model], [resolve_member(p) for p in ensemble]
+        for other in others:
+            member, member_config, member_tokenizer = load_model(Path(other), dev)
+            if not member_tokenizer.same_as(tokenizer):
+                raise MtcliError(
+                    f"{other}: its SentencePiece model differs from that of {checkpoint}; an ensemble needs models "
+                    "trained on one vocabulary (the same data cache)"
+                )
+            members.append(inference_model(member, name))
+            if member_config.model.max_positions < config.model.max_positions:  # the shortest limit holds for all
+                config = config.replace(**{"model.max_positions": member_config.model.max_positions})
+        translator = cls(Ensemble(members) if len(members) > 1 else model, tokenizer, config, dev, name)
         translator.checkpoint = Path(checkpoint)
+        translator.ensemble = others
         return translator
 
     @classmethod
@@ -184,9 +214,11 @@ class Translator:
         checkpoint: Path | str | None = None,
         device: str = "auto",
         precision: str | None = None,
+        ensemble: Iterable[Path | str] = (),
     ) -> Translator:
-        """A run's best checkpoint (or `checkpoint`); without either, the latest run under ./runs."""
-        return cls.from_checkpoint(resolve_checkpoint(run, checkpoint), device, precision)
+        """A run's best checkpoint (or `checkpoint`); without either, the latest run under ./runs. `ensemble`: as
+        in from_checkpoint."""
+        return cls.from_checkpoint(resolve_checkpoint(run, checkpoint), device, precision, ensemble)
 
     def decode_config(self, decode: DecodeConfig | None = None, **options) -> DecodeConfig:
         """The run's decode section (or `decode`) with options such as beam=5 applied and checked. The precision is

@@ -1,11 +1,14 @@
 """End to end through the command line: train the toy model, translate, evaluate, average; help and errors."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
+from conftest import tiny_pairs
 from typer.testing import CliRunner
 
 from mtcli.checkpoint import best_checkpoint, list_checkpoints
@@ -134,6 +137,30 @@ def test_average_last_checkpoints(toy_run, tmp_path):
             text=True,
         )
         assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_ensemble_of_a_run_with_itself_scores_as_the_run_and_refuses_another_vocabulary(toy_run, tmp_path):
+    alone = json.loads(invoke("eval", "--run", toy_run, "--split", "valid", "--json").stdout)
+    twice = json.loads(invoke("eval", "--run", toy_run, "--split", "valid", "--ensemble", toy_run, "--json").stdout)
+    assert twice["bleu"] == pytest.approx(alone["bleu"], abs=1e-6)
+    assert twice["ensemble"] == [alone["checkpoint"]] and twice["hypotheses"] != alone["hypotheses"]
+    assert invoke("translate", "--run", toy_run, "--ensemble", toy_run, "I love apples").stdout == "我喜欢苹果\n"
+    # The same weights beside another SentencePiece model: the ids would mean other pieces.
+    other = tmp_path / "other"
+    shutil.copytree(best_checkpoint(toy_run), other)
+    lines = [s for pair in tiny_pairs(200, 4) for s in pair]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(other / "spm"), vocab_size=60, minloglevel=2
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "mtcli", "translate", "--run", str(toy_run), "--ensemble", str(other), "hello"],
+        capture_output=True,
+        text=True,
+    )
+    error = proc.stderr.strip().splitlines()[-1]  # after the log lines: which checkpoint, which precision
+    assert proc.returncode == 2 and error.startswith("error: ") and "SentencePiece model differs" in error, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
+from mtcli.ensemble import Ensemble
 from mtcli.model import Transformer
 from mtcli.search import beam_search, greedy_search, length_penalty, max_output_lengths, sample
 from mtcli.tokenizer import BOS, EOS, PAD
@@ -31,6 +33,9 @@ class MockModel(nn.Module):
 
     def encode(self, src, src_pad_mask):
         return torch.zeros(src.shape[0], src.shape[1], 2)
+
+    def new_cache(self, rows, max_len, device, dtype=None):
+        return KVCache.for_model(self, rows, max_len, device, dtype)
 
     def decode(self, tgt, memory, src_pad_mask, cache):
         pos = cache.length
@@ -210,6 +215,51 @@ def test_a_sentence_result_does_not_depend_on_its_batch(search, reverse_model):
     together = run(list(range(5)))
     alone = [run([i])[0] for i in range(5)]
     assert together == alone
+
+
+def full_log_prob(members, src, mask, tokens: list[int]) -> float:
+    """log P(tokens + EOS) under the mean of the members' probabilities, each member decoding the whole prefix at
+    once without a cache (the reference an ensemble's cached, step-by-step search must agree with)."""
+    tgt_in = torch.tensor([[BOS, *tokens]])
+    probs = torch.stack([m(src, mask, tgt_in)[0].float().softmax(-1) for m in members]).mean(0)  # (T, V)
+    return sum(math.log(probs[t, token]) for t, token in enumerate([*tokens, EOS]))
+
+
+@pytest.mark.slow
+def test_an_ensemble_scores_with_the_mean_probability_of_members_of_different_sizes(reverse_model):
+    """Greedy and beam search over an ensemble of two Transformers of different width and depth: each hypothesis's
+    log-probability is that of the members' averaged probabilities recomputed without a cache, for sentences of
+    several lengths (they leave the batch at different steps, so the members' memories and caches are cut down)."""
+    torch.manual_seed(5)
+    cfg = ModelConfig(layers=2, d_model=48, heads=2, d_ff=96, norm="post", max_positions=64, dropout=0.0)
+    other = Transformer(cfg, VOCAB, VOCAB, joint_vocab=True).eval()
+    members = [reverse_model, other]
+    ensemble = Ensemble(members)
+    lengths = [4, 9, 2, 6]
+    src, mask = random_sources(lengths, seed=7)
+    max_lens = max_output_lengths(torch.tensor(lengths), 1.5, 3, 64)
+    greedy = greedy_search(ensemble, src, mask, max_lens)
+    beams = beam_search(ensemble, src, mask, max_lens, beam_size=3, nbest=3)
+    with torch.no_grad():
+        for i, n in enumerate(lengths):
+            s, m = src[i : i + 1, : n + 1], mask[i : i + 1, : n + 1]
+            for h in [greedy[i], *beams[i]]:
+                assert h.log_prob == pytest.approx(full_log_prob(members, s, m, h.tokens), abs=1e-4)
+            assert beams[i][0].log_prob >= greedy[i].log_prob - 1e-4  # lenpen 0: beam scores are log-probabilities
+    assert len({len(h.tokens) for h in greedy}) > 1
+
+
+@pytest.mark.slow
+def test_an_ensemble_of_one_model_translates_as_the_model(reverse_model):
+    lengths = [5, 8, 3]
+    src, mask = random_sources(lengths, seed=11)
+    max_lens = max_output_lengths(torch.tensor(lengths), 2.0, 5, 64)
+    for model in (reverse_model, Ensemble([reverse_model]), Ensemble([reverse_model, reverse_model])):
+        found = [hyps[0] for hyps in beam_search(model, src, mask, max_lens, beam_size=4, lenpen=0.6)]
+        if model is reverse_model:
+            alone = found
+        assert [h.tokens for h in found] == [h.tokens for h in alone]
+        assert [h.score for h in found] == pytest.approx([h.score for h in alone], abs=1e-5)
 
 
 def test_min_len_blocks_early_eos():
