@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from mtcli.batching import collate, token_budget_batches
-from mtcli.checkpoint import best_checkpoint, last_checkpoint, load_model
+from mtcli.checkpoint import best_checkpoint, checkpoint_dir, last_checkpoint, load_model
 from mtcli.config import Config, DecodeConfig
 from mtcli.device import choose_precision, resolve_device
 from mtcli.ensemble import Ensemble
@@ -85,7 +85,7 @@ def resolve_checkpoint(run: Path | str | None = None, checkpoint: Path | str | N
 def resolve_member(path: Path | str) -> Path:
     """An ensemble member given as a run directory (its best checkpoint) or as a checkpoint folder."""
     path = Path(path)
-    return resolve_checkpoint(path) if (path / "checkpoints").is_dir() else path
+    return resolve_checkpoint(path) if checkpoint_dir(path).is_dir() else path
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -193,7 +193,7 @@ class Translator:
         model = inference_model(model, name)
         members, others = [model], [resolve_member(p) for p in ensemble]
         for other in others:
-            member, member_config, member_tokenizer = load_model(Path(other), dev)
+            member, member_config, member_tokenizer = load_model(other, dev)
             if not member_tokenizer.same_as(tokenizer):
                 raise MtcliError(
                     f"{other}: its SentencePiece model differs from that of {checkpoint}; an ensemble needs models "

@@ -254,10 +254,13 @@ def test_an_ensemble_of_one_model_translates_as_the_model(reverse_model):
     lengths = [5, 8, 3]
     src, mask = random_sources(lengths, seed=11)
     max_lens = max_output_lengths(torch.tensor(lengths), 2.0, 5, 64)
-    for model in (reverse_model, Ensemble([reverse_model]), Ensemble([reverse_model, reverse_model])):
-        found = [hyps[0] for hyps in beam_search(model, src, mask, max_lens, beam_size=4, lenpen=0.6)]
-        if model is reverse_model:
-            alone = found
+
+    def best(model):
+        return [hyps[0] for hyps in beam_search(model, src, mask, max_lens, beam_size=4, lenpen=0.6)]
+
+    alone = best(reverse_model)
+    for ensemble in (Ensemble([reverse_model]), Ensemble([reverse_model, reverse_model])):
+        found = best(ensemble)
         assert [h.tokens for h in found] == [h.tokens for h in alone]
         assert [h.score for h in found] == pytest.approx([h.score for h in alone], abs=1e-5)
 
