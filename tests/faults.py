@@ -133,7 +133,8 @@ def train_settings(cache: Path, **extra) -> dict:
     }
 
 
-def losses(run_dir: Path) -> list[tuple[int, float]]:
+def update_losses(run_dir: Path) -> list[tuple[int, float]]:
+    """(update, loss) for every update a run logged; conftest.losses gives the losses alone, for the tests."""
     return [(r["update"], r["loss"]) for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
 
 
@@ -264,7 +265,7 @@ def _finished(run_dir: Path, settings: dict) -> bool:
 def _compare(run_dir: Path, reference: Path, name: str) -> None:
     import torch
 
-    mine, theirs = losses(run_dir), losses(reference)
+    mine, theirs = update_losses(run_dir), update_losses(reference)
     a, b = weights(run_dir), weights(reference)
     same_weights = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     detail = f"{len(mine)} per-update losses and final weights bit-identical"
@@ -392,7 +393,7 @@ def torchrun_restart(work: Path, cache: Path) -> None:
         os.killpg(agent.pid, signal.SIGKILL)
         out = agent.communicate()[0] + "\n(hung: killed after 300 s)"
     ok = killed and agent.returncode == 0 and _finished(run_dir, settings)
-    ok = ok and [u for u, _ in losses(run_dir)] == list(range(1, settings["train.max_updates"] + 1))
+    ok = ok and [u for u, _ in update_losses(run_dir)] == list(range(1, settings["train.max_updates"] + 1))
     record(
         "torchrun worker killed: --max-restarts 1 resumes and finishes with the same update count",
         ok,
