@@ -112,6 +112,9 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
+    # Training only: each source token's embedding is zeroed with this probability, so the encoder learns to read a
+    # word from its context (word dropout, Sennrich et al. 2016); 0: off.
+    src_word_dropout: float = 0.0
     activation: Literal["relu", "gelu"] = "relu"
     norm: Literal["post", "pre"] = "post"
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"
@@ -134,7 +137,7 @@ class ModelConfig:
             "model.d_model",
             "sinusoidal positions need an even d_model",
         )
-        for key in ("dropout", "attention_dropout", "activation_dropout"):
+        for key in ("dropout", "attention_dropout", "activation_dropout", "src_word_dropout"):
             _check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
 
     @property

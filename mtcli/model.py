@@ -144,7 +144,9 @@ class Transformer(nn.Module):
             self.src_embed.weight[PAD].zero_()
             self.tgt_embed.weight[PAD].zero_()
 
-    def _embed(self, embedding: nn.Embedding, ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def _embed(
+        self, embedding: nn.Embedding, ids: torch.Tensor, start: int = 0, word_dropout: float = 0.0
+    ) -> torch.Tensor:
         T = ids.shape[1]
         if start + T > self.cfg.max_positions:
             raise ValueError(f"sequence of {start + T} tokens exceeds model.max_positions={self.cfg.max_positions}")
@@ -152,7 +154,12 @@ class Transformer(nn.Module):
             positions = self.learned_positions.weight[start : start + T]
         else:
             positions = self.sinusoids[start : start + T]
-        x = embedding(ids) * math.sqrt(self.cfg.d_model) + positions.to(embedding.weight.dtype)
+        tokens = embedding(ids)
+        if word_dropout:
+            # Whole tokens vanish (not rescaled: test inputs are never missing words); their positions stay.
+            keep = torch.rand(ids.shape, device=ids.device) >= word_dropout
+            tokens = tokens * keep.unsqueeze(-1).to(tokens.dtype)
+        x = tokens * math.sqrt(self.cfg.d_model) + positions.to(embedding.weight.dtype)
         if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # CPU autocast: carry the residual stream in the autocast dtype. In fp32 (as on GPUs) every LayerNorm
             # output is cast down for the next projection and every gradient cast back, a memory pass each way.
@@ -166,7 +173,7 @@ class Transformer(nn.Module):
     def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> torch.Tensor:
         """src: (B, S) ids ending in EOS, right-padded. Returns memory: (B, S, d)."""
         mask = self.attention_mask(src_pad_mask)
-        x = self._embed(self.src_embed, src)
+        x = self._embed(self.src_embed, src, word_dropout=self.cfg.src_word_dropout if self.training else 0.0)
         for layer in self.encoder:
             x = layer(x, mask)
         return self.encoder_norm(x)

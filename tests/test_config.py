@@ -77,6 +77,7 @@ def test_unknown_section_names_closest_section(tmp_path):
     [
         ("model", {"d_model": 512, "heads": 7}, "model.heads"),
         ("model", {"dropout": -0.1}, "model.dropout"),
+        ("model", {"src_word_dropout": 1.0}, "model.src_word_dropout"),
         ("model", {"layers": 0}, "model.layers"),
         ("model", {"layers": True}, "model.layers"),  # a bool is not an integer
         ("model", {"norm": "middle"}, "model.norm"),

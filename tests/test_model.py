@@ -249,6 +249,23 @@ def test_fast_cpu_dropout_keeps_the_rate_and_the_expectation():
     assert torch.equal(drop.eval()(x), x)
 
 
+def test_source_word_dropout_hides_source_tokens_in_training_only():
+    src, mask = make_batch([9, 6])
+    other = src.clone()
+    other[src > EOS] = torch.randint(4, VOCAB, (int((src > EOS).sum()),))  # same lengths, other words
+    model = make_model(src_word_dropout=0.2)
+    assert torch.equal(model.encode(src, mask), make_model().encode(src, mask))  # evaluation: no effect
+
+    def train_encode(rate, ids):
+        model = make_model(src_word_dropout=rate, dropout=0.0).train()  # word dropout is the only random draw
+        torch.manual_seed(3)
+        return model.encode(ids, mask)
+
+    torch.testing.assert_close(train_encode(0.999, other), train_encode(0.999, src))  # every word hidden
+    assert not torch.allclose(train_encode(0.2, other), train_encode(0.2, src))  # most words seen
+    assert not torch.allclose(train_encode(0.2, src), train_encode(0.0, src))  # some hidden
+
+
 def test_pad_embedding_is_zero_and_gradients_flow():
     model = make_model().train()
     assert model.src_embed.weight[PAD].abs().sum() == 0
