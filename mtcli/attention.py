@@ -47,14 +47,16 @@ def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor,
 
 
 def _attend(q, k, v, mask, causal: bool, dropout: float) -> torch.Tensor:
-    """SDPA, except on CPU under autocast: there, batched matrix products with an fp32 softmax. The CPU flash
-    kernel's bf16 backward runs tiny matrix products one (sentence, head, block) at a time, and was ~5x slower than
-    fp32 on the benchmark's shapes (sentences of ~15-50 tokens); in fp32 it was still ~1.2-1.5x slower than this.
-    GPUs keep SDPA's flash/efficient kernels."""
+    """SDPA, except on a CPU under autocast (bf16 training) or without gradients (translation, validation): there,
+    batched matrix products with an fp32 softmax. The CPU flash kernel's bf16 backward runs tiny matrix products one
+    (sentence, head, block) at a time, and was ~5x slower than fp32 on the benchmark's shapes (sentences of ~15-50
+    tokens); in fp32 it was still ~1.2-1.5x slower than this. At decoding shapes (one query per beam against a few
+    dozen cached keys) its per-call overhead dominates: 450-620 us against 230-330 us for these products (fp32,
+    320 rows x 4 heads), a fifth of a beam-5 step. GPUs keep SDPA's flash/efficient kernels."""
     if q.dtype != k.dtype:  # a bf16 model decoding with an fp32 cache (see KVCache.for_model)
-        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
-        return y.to(q.dtype)
-    if q.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return _attend(q.to(k.dtype), k, v, mask, causal, dropout).to(q.dtype)
+    on_cpu_fast_path = q.device.type == "cpu" and (torch.is_autocast_enabled("cpu") or not torch.is_grad_enabled())
+    if not on_cpu_fast_path:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout)
     scores = (q @ k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, T, S) in the autocast dtype
     if mask is not None:
@@ -62,7 +64,7 @@ def _attend(q, k, v, mask, causal: bool, dropout: float) -> torch.Tensor:
     if causal:  # top-left aligned, as SDPA's is_causal
         T, S = scores.shape[-2:]
         scores = scores.masked_fill(torch.ones(T, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
     if dropout:
         weights = F.dropout(weights, dropout)
     return weights @ v
@@ -121,7 +123,8 @@ class CrossAttention(nn.Module):
         else:
             k, v = _split_heads(linear(self.kv, memory), 2, self.heads)  # each (B, H, S, D)
             if cache is not None:
-                k, v = k.to(cache.k.dtype), v.to(cache.k.dtype)
+                # contiguous: as views into the fused projection, every step's products would copy them again
+                k, v = k.to(cache.k.dtype).contiguous(), v.to(cache.k.dtype).contiguous()
                 cache.cross_k, cache.cross_v = k, v
         (q,) = _split_heads(linear(self.q, x), 1, self.heads)  # (N, H, T, D)
         N, H, T, D = q.shape

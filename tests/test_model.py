@@ -195,6 +195,28 @@ def test_cpu_autocast_attention_matches_fp32_sdpa(causal):
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_attention_without_gradients_matches_sdpa(causal):
+    """Without gradients (translation, validation) a CPU runs attention as batched products, not SDPA: same result
+    in fp32, including a one-query step against strided cached keys, and gradients still go through SDPA."""
+    from mtcli.attention import _attend
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 4, 6, 8, generator=g) for _ in range(3))
+    key_mask = None if causal else torch.tensor([6, 2, 4])[:, None] > torch.arange(6)
+    mask = None if causal else key_mask[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    with torch.inference_mode():
+        torch.testing.assert_close(_attend(q, k, v, mask, causal, 0.0), ref, atol=1e-6, rtol=1e-5)
+        cache_k = torch.randn(3, 4, 10, 8, generator=g)  # a preallocated cache, read up to position 6
+        cache_k[:, :, :6] = k
+        step = _attend(q[:, :, -1:], cache_k[:, :, :6], v, mask, False, 0.0)
+    torch.testing.assert_close(step, F.scaled_dot_product_attention(q[:, :, -1:], k, v, attn_mask=mask))
+    q.requires_grad_(True)
+    _attend(q, k, v, mask, causal, 0.0).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 def test_row_padded_linear_under_cpu_autocast_equals_the_plain_layer():
     """Under CPU bf16 autocast, `linear` pads rows to a multiple of 64 (so oneDNN kernels repeat across batches):
     outputs and gradients must be those of the layer itself, and the zero rows must not leak out."""
