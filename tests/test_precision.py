@@ -72,13 +72,14 @@ def test_the_probe_leaves_the_global_random_stream_alone():
 @pytest.fixture(scope="module")
 def copy_model():
     """A small Transformer trained for a few seconds to copy its input: confident enough that precision changes
-    should not change its outputs much."""
+    should not change its outputs much. 800 updates: after 400, on an AMD EPYC (Zen 5) it copied only 55 of 64
+    test sentences, and int8 agreed with fp32 on 59 of them, below the 95% bar, from fp32's own uncertainty."""
     torch.manual_seed(0)
     cfg = ModelConfig(layers=2, d_model=64, heads=4, d_ff=128, norm="pre", max_positions=64, dropout=0.0)
     model = Transformer(cfg, 40, 40, joint_vocab=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
-    for _ in range(400):
+    for _ in range(800):
         src, mask, tgt_in, tgt_out = copy_batch(32, g)
         loss = torch.nn.functional.cross_entropy(
             model(src, mask, tgt_in).flatten(0, 1), tgt_out.flatten(), ignore_index=0
