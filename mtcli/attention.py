@@ -1,4 +1,5 @@
-"""Multi-head attention over `torch.nn.functional.scaled_dot_product_attention` (SDPA).
+"""Multi-head attention over `torch.nn.functional.scaled_dot_product_attention` (SDPA) on GPUs and in fp32 training;
+on a CPU under bf16 autocast or without gradients (translation), two batched products with an fp32 softmax (_attend).
 
 Self-attention projects queries, keys and values with one fused `qkv` matrix; cross-attention projects queries with
 `q` and keys/values of the encoder output with one fused `kv`. Masks are boolean, True where a key may be attended.
