@@ -136,12 +136,11 @@ def inference_model(model: torch.nn.Module, precision: str, copy: bool = False) 
     weights (so the attention is bf16 too; scores are accumulated in fp32 by the search); int8: the linear layers
     dynamically quantized (int8 weights, activations quantized per call). copy=True leaves `model` untouched
     (validation during training translates with a converted copy)."""
+    on_cpu = next(model.parameters()).device.type == "cpu"
     if precision == "fp32":  # packed for oneDNN on a CPU, except for a copy (validation: not worth a copy)
-        on_cpu = next(model.parameters()).device.type == "cpu"
         return pack_linears(model) if on_cpu and not copy else model
     if precision == "bf16":
         model = (deepcopy(model) if copy else model).to(torch.bfloat16)
-        on_cpu = next(model.parameters()).device.type == "cpu"
         return pack_linears(model) if on_cpu else model
     if precision == "int8":
         with warnings.catch_warnings():  # torch.ao.quantization warns that it is deprecated; it is what torch has

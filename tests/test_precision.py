@@ -102,6 +102,17 @@ def copy_batch(n, g):
     return batch.src, batch.src_pad_mask, batch.tgt_in, tgt_out.view(n, T)
 
 
+COPY_SRC, COPY_MASK, _, _ = copy_batch(64, torch.Generator().manual_seed(7))  # the sentences translated below
+
+
+def copy_searches(model) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy and beam-4 output tokens of `model` on the 64 copy-task sentences COPY_SRC."""
+    max_lens = max_output_lengths((~COPY_MASK).sum(1) - 1, 1.5, 5, 64)
+    greedy = [h.tokens for h in greedy_search(model, COPY_SRC, COPY_MASK, max_lens)]
+    beam = [h[0].tokens for h in beam_search(model, COPY_SRC, COPY_MASK, max_lens, 4, 0.6)]
+    return greedy, beam
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_bf16_and_int8_translation_agree_with_fp32(copy_model, precision):
@@ -109,17 +120,11 @@ def test_bf16_and_int8_translation_agree_with_fp32(copy_model, precision):
     (a wrong conversion, cache dtype or quantized layer gives garbage, near 0%)."""
     if precision == "int8" and "x86" not in torch.backends.quantized.supported_engines:
         pytest.skip("no x86/fbgemm quantized engine in this torch build")
-    src, mask, _, _ = copy_batch(64, torch.Generator().manual_seed(7))
-    max_lens = max_output_lengths((~mask).sum(1) - 1, 1.5, 5, 64)
     converted = inference_model(copy_model, precision, copy=True)
     assert next(copy_model.parameters()).dtype == torch.float32  # copy=True leaves the model as it was
-    for search in (
-        lambda m: greedy_search(m, src, mask, max_lens),
-        lambda m: [h[0] for h in beam_search(m, src, mask, max_lens, 4, 0.6)],
-    ):
-        reference = [h.tokens for h in search(copy_model)]
-        assert sum(ref == src[i, : len(ref)].tolist() for i, ref in enumerate(reference)) >= 48  # it learned to copy
-        outputs = [h.tokens for h in search(converted)]
+    for reference, outputs in zip(copy_searches(copy_model), copy_searches(converted)):
+        copied = sum(ref == COPY_SRC[i, : len(ref)].tolist() for i, ref in enumerate(reference))
+        assert copied >= 48  # it learned to copy
         assert sum(a == b for a, b in zip(outputs, reference)) >= 0.95 * len(reference)
 
 
@@ -136,13 +141,7 @@ def test_fp32_translation_packs_linear_layers_and_keeps_the_outputs(copy_model):
     if not any(isinstance(m, PackedLinear) for m in packed.modules()):
         pytest.skip("this torch lacks oneDNN's packed linear ops (pack_linears' probe refused them)")
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())
-    src, mask, _, _ = copy_batch(64, torch.Generator().manual_seed(7))
-    max_lens = max_output_lengths((~mask).sum(1) - 1, 1.5, 5, 64)
-    for search in (
-        lambda m: [h.tokens for h in greedy_search(m, src, mask, max_lens)],
-        lambda m: [h[0].tokens for h in beam_search(m, src, mask, max_lens, 4, 0.6)],
-    ):
-        assert search(packed) == search(copy_model)
+    assert copy_searches(packed) == copy_searches(copy_model)
 
 
 @pytest.mark.slow
