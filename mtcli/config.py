@@ -165,6 +165,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip_norm: float = 0.0  # 0: no clipping (the paper)
     label_smoothing: float = 0.1
+    rdrop: float = 0.0  # R-Drop alpha (Liang et al. 2021); > 0 runs each batch twice: 2x the cost of an update
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: bool = False
     device: str = "auto"  # auto: CUDA when available, else CPU
@@ -192,6 +193,7 @@ class TrainConfig:
             "clip_norm",
             "min_lr",
             "threads",
+            "rdrop",
         ):
             _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
         _check(self.lr > 0, "train.lr", "must be positive")

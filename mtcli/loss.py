@@ -121,13 +121,80 @@ def target_states(model: Transformer, src, src_pad_mask, tgt_in, tgt_index) -> t
     return hidden.flatten(0, 1).index_select(0, tgt_index)
 
 
-class LossModel(nn.Module):
-    """The model plus its loss in one forward, so DDP and torch.compile see a single module call."""
+class _FusedSymmetricKL(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden1, hidden2, weight, dtype: torch.dtype):
+        """hidden1, hidden2: (N, d), the same target positions under two dropout masks; weight: (V, d). Returns the
+        summed KL(p1 || p2) + KL(p2 || p1) = sum (p1 - p2) * (log p1 - log p2) (fp32 scalar), and keeps the gradients.
+        Products run in `dtype`; log-probabilities are fp32, since the two distributions are close and their
+        difference is what counts."""
+        with torch.autocast(hidden1.device.type, enabled=False):
+            return _FusedSymmetricKL._forward(ctx, hidden1, hidden2, weight, dtype)
 
-    def __init__(self, model: Transformer, label_smoothing: float):
+    @staticmethod
+    def _forward(ctx, hidden1, hidden2, weight, dtype):
+        N, hidden_dtype = hidden1.shape[0], hidden1.dtype
+        h1, h2, w = hidden1.to(dtype), hidden2.to(dtype), weight.to(dtype)
+        if h1.device.type == "cpu" and dtype != torch.float32:  # shapes oneDNN has seen (see the cross-entropy)
+            pad = -(-N // ROW_MULTIPLE) * ROW_MULTIPLE - N  # zero rows in both: equal distributions, no KL, no grad
+            h1, h2 = (torch.cat([h, h.new_zeros(pad, h.shape[1])]) for h in (h1, h2))
+        total = torch.zeros((), dtype=torch.float32, device=h1.device)
+        grad1, grad2 = torch.empty_like(h1), torch.empty_like(h2)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        for start in range(0, h1.shape[0], CHUNK_ROWS):
+            x1, x2 = h1[start : start + CHUNK_ROWS], h2[start : start + CHUNK_ROWS]
+            logp1 = torch.log_softmax((x1 @ w.t()).float(), dim=1)
+            logp2 = torch.log_softmax((x2 @ w.t()).float(), dim=1)
+            p1 = logp1.exp()
+            diff = logp1.sub_(logp2)  # log p1 - log p2
+            gap = logp2.exp_().neg_().add_(p1)  # p1 - p2
+            total += torch.dot(gap.flatten(), diff.flatten())
+            # d/dz1 = p1 * (diff - <p1, diff>) + gap;  d/dz2 = -(p2 * (diff - <p2, diff>) + gap), per row
+            p2 = p1 - gap
+            g2 = torch.addcmul(gap, p2, diff - (p2 * diff).sum(1, keepdim=True)).neg_().to(dtype)
+            g1 = torch.addcmul(gap, p1, diff.sub_((p1 * diff).sum(1, keepdim=True))).to(dtype)
+            grad1[start : start + CHUNK_ROWS] = g1 @ w
+            grad2[start : start + CHUNK_ROWS] = g2 @ w
+            grad_weight.add_((g1.t() @ x1).float()).add_((g2.t() @ x2).float())
+        ctx.save_for_backward(grad1[:N].to(hidden_dtype), grad2[:N].to(hidden_dtype), grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        grad1, grad2, grad_weight = ctx.saved_tensors
+        scale = grad_output.float()
+        g = scale.to(grad1.dtype)
+        return grad1 * g, grad2 * g, (grad_weight * scale).to(ctx.weight_dtype), None
+
+
+def symmetric_kl(hidden1: torch.Tensor, hidden2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Summed KL(p1 || p2) + KL(p2 || p1) between the distributions `hidden @ weight.T` predicts, without keeping
+    logits (R-Drop's regulariser)."""
+    device = hidden1.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden1.dtype
+    return _FusedSymmetricKL.apply(hidden1, hidden2, weight, dtype)
+
+
+class LossModel(nn.Module):
+    """The model plus its loss in one forward, so DDP and torch.compile see a single module call.
+
+    With R-Drop (alpha > 0, training only) the batch runs twice in one forward, with independent dropout masks; the
+    loss per target token is the mean of the two cross-entropies plus alpha / 4 * the symmetric KL between the two
+    predictions, which is the paper's CE1 + CE2 + alpha / 2 * (KL12 + KL21) halved. The training loss logged is this
+    sum; validation losses have no R-Drop term."""
+
+    def __init__(self, model: Transformer, label_smoothing: float, rdrop: float = 0.0):
         super().__init__()
-        self.model, self.label_smoothing = model, label_smoothing
+        self.model, self.label_smoothing, self.rdrop = model, label_smoothing, rdrop
 
     def forward(self, src, src_pad_mask, tgt_in, tgt_index, labels) -> torch.Tensor:
-        real = target_states(self.model, src, src_pad_mask, tgt_in, tgt_index)
-        return projection_cross_entropy(real, self.model.output.weight, labels, self.label_smoothing)
+        weight = self.model.output.weight
+        if not (self.rdrop > 0 and self.model.training):
+            real = target_states(self.model, src, src_pad_mask, tgt_in, tgt_index)
+            return projection_cross_entropy(real, weight, labels, self.label_smoothing)
+        twice_index = torch.cat([tgt_index, tgt_index + tgt_in.numel()])  # the copy's rows follow the batch's
+        real = target_states(self.model, src.repeat(2, 1), src_pad_mask.repeat(2, 1), tgt_in.repeat(2, 1), twice_index)
+        n = labels.shape[0]
+        cross_entropy = projection_cross_entropy(real, weight, labels.repeat(2), self.label_smoothing) / 2
+        return cross_entropy + self.rdrop / 4 * symmetric_kl(real[:n], real[n:], weight)

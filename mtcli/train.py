@@ -86,7 +86,7 @@ class Trainer:
         )
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-        loss_model: nn.Module = LossModel(model, tc.label_smoothing)
+        loss_model: nn.Module = LossModel(model, tc.label_smoothing, tc.rdrop)
         if world > 1:
             ids = [device.index] if device.type == "cuda" else None
             loss_model = nn.parallel.DistributedDataParallel(loss_model, device_ids=ids)

@@ -20,7 +20,7 @@ from mtcli.batching import epoch_batches
 from mtcli.config import TrainConfig, load_config
 from mtcli.data import prepare
 from mtcli.errors import MtcliError
-from mtcli.loss import LossModel, projection_cross_entropy
+from mtcli.loss import LossModel, projection_cross_entropy, symmetric_kl
 from mtcli.train import lr_at, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,6 +142,66 @@ def test_fused_projection_loss_under_cpu_bf16_autocast_matches_a_bf16_reference(
     logits = (hidden.detach().bfloat16() @ weight.detach().bfloat16().t()).float()
     reference = F.cross_entropy(logits, labels, label_smoothing=0.1, reduction="sum")
     assert float(fused.detach()) == pytest.approx(float(reference), rel=2e-3)
+
+
+def reference_symmetric_kl(hidden1, hidden2, weight):
+    logp1, logp2 = (torch.log_softmax(h @ weight.t(), dim=1) for h in (hidden1, hidden2))
+    return ((logp1.exp() - logp2.exp()) * (logp1 - logp2)).sum()
+
+
+@pytest.mark.parametrize("rows", [5, 1024, 2500])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_fused_rdrop_kl_equals_the_unfused_one_with_gradients(rows, bf16):
+    """R-Drop's symmetric KL, fused and chunked (bf16 also pads rows), against autograd on whole logits."""
+    torch.manual_seed(0)
+    base = torch.randn(rows, 16)
+    hidden = torch.cat([base, base + 0.3 * torch.randn(rows, 16)]).requires_grad_()
+    weight = (torch.randn(50, 16) * 0.3).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        fused = symmetric_kl(hidden[:rows], hidden[rows:], weight) * 0.37
+    fused.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    cast = (lambda t: t.bfloat16().float()) if bf16 else (lambda t: t)  # what the bf16 products see
+    h, w = cast(hidden), cast(weight)
+    reference = reference_symmetric_kl(h[:rows], h[rows:], w) * 0.37
+    reference.backward()
+    assert weight.grad.dtype == torch.float32 and float(reference) > 0
+    assert float(fused.detach()) == pytest.approx(float(reference.detach()), rel=2e-2 if bf16 else 1e-4)
+    for fused_grad, reference_grad in zip(grads, (hidden.grad, weight.grad)):
+        if bf16:  # the fused gradients pass through bf16 products: compare as a whole
+            assert (fused_grad - reference_grad).norm() < 0.02 * reference_grad.norm()
+        else:
+            torch.testing.assert_close(fused_grad, reference_grad, atol=1e-5, rtol=1e-4)
+
+
+def test_rdrop_runs_the_batch_twice_with_independent_dropout():
+    """Without dropout both runs agree: the loss is the plain one. With dropout the two runs differ (the KL term,
+    seen by changing alpha under the same masks, is positive); in evaluation mode R-Drop is off."""
+    from mtcli.config import ModelConfig
+    from mtcli.model import Transformer
+
+    torch.manual_seed(0)
+    src, tgt = torch.randint(4, 40, (3, 7)), torch.randint(4, 40, (3, 5))
+    src_pad = torch.zeros(3, 7, dtype=torch.bool)
+    src_pad[0, 5:] = True
+    real = torch.ones(3, 5, dtype=torch.bool)
+    real[1, 3:] = False
+    index = real.flatten().nonzero().squeeze(1)
+    batch = src, src_pad, tgt, index, torch.randint(4, 40, (index.numel(),))
+    shape = {"layers": 1, "d_model": 32, "heads": 2, "d_ff": 64}
+
+    model = Transformer(ModelConfig(**shape, dropout=0.0, attention_dropout=0.0), 40, 40, True)
+    assert float(LossModel(model, 0.1, rdrop=5.0)(*batch)) == pytest.approx(float(LossModel(model, 0.1)(*batch)))
+
+    model = Transformer(ModelConfig(**shape, dropout=0.3), 40, 40, True)
+    losses = []
+    for alpha in (1.0, 5.0):
+        torch.manual_seed(1)  # the same dropout masks for both
+        losses.append(float(LossModel(model, 0.1, rdrop=alpha)(*batch)))
+    assert losses[1] > losses[0] + 1e-3
+    model.eval()
+    assert float(LossModel(model, 0.1, rdrop=5.0)(*batch)) == float(LossModel(model, 0.1)(*batch))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
