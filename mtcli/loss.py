@@ -23,6 +23,18 @@ from mtcli.model import Transformer
 CHUNK_ROWS = 1024
 
 
+def _product_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the fused losses' matrix products run in: the autocast dtype when autocast is on, else the input's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+
+
+def _pad_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """`hidden` with zero rows appended up to a multiple of ROW_MULTIPLE: shapes CPU oneDNN kernels have seen."""
+    pad = -hidden.shape[0] % ROW_MULTIPLE
+    return torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
+
+
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, eps: float, needs_grad: bool, dtype: torch.dtype):
@@ -40,9 +52,8 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             # CPU bf16 products run oneDNN kernels built for each exact shape (~5-10 ms per new one), and the last
             # chunk's row count is new almost every batch: zero rows round it up to a multiple of ROW_MULTIPLE. They add
             # nothing to grad_weight (their h is 0); their losses and grad_hidden rows are dropped.
-            padded = -(-N // ROW_MULTIPLE) * ROW_MULTIPLE
-            hidden = torch.cat([hidden.to(dtype), hidden.new_zeros(padded - N, hidden.shape[1], dtype=dtype)])
-            labels = torch.cat([labels, labels.new_zeros(padded - N)])
+            hidden = _pad_rows(hidden.to(dtype))
+            labels = torch.cat([labels, labels.new_zeros(hidden.shape[0] - N)])
         else:
             hidden = hidden.to(dtype)
         w = weight.to(dtype)
@@ -110,9 +121,9 @@ def projection_cross_entropy(
 ) -> torch.Tensor:
     """Summed label-smoothed cross-entropy of `hidden @ weight.T` against `labels`, without materialising logits."""
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    return _FusedProjectionCrossEntropy.apply(hidden, weight, labels, label_smoothing, needs_grad, dtype)
+    return _FusedProjectionCrossEntropy.apply(
+        hidden, weight, labels, label_smoothing, needs_grad, _product_dtype(hidden)
+    )
 
 
 def target_states(model: Transformer, src, src_pad_mask, tgt_in, tgt_index) -> torch.Tensor:
@@ -136,8 +147,7 @@ class _FusedSymmetricKL(torch.autograd.Function):
         N, hidden_dtype = hidden1.shape[0], hidden1.dtype
         h1, h2, w = hidden1.to(dtype), hidden2.to(dtype), weight.to(dtype)
         if h1.device.type == "cpu" and dtype != torch.float32:  # shapes oneDNN has seen (see the cross-entropy)
-            pad = -(-N // ROW_MULTIPLE) * ROW_MULTIPLE - N  # zero rows in both: equal distributions, no KL, no grad
-            h1, h2 = (torch.cat([h, h.new_zeros(pad, h.shape[1])]) for h in (h1, h2))
+            h1, h2 = _pad_rows(h1), _pad_rows(h2)  # zero rows in both: equal distributions, no KL, no gradient
         total = torch.zeros((), dtype=torch.float32, device=h1.device)
         grad1, grad2 = torch.empty_like(h1), torch.empty_like(h2)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
@@ -171,9 +181,7 @@ class _FusedSymmetricKL(torch.autograd.Function):
 def symmetric_kl(hidden1: torch.Tensor, hidden2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Summed KL(p1 || p2) + KL(p2 || p1) between the distributions `hidden @ weight.T` predicts, without keeping
     logits (R-Drop's regulariser)."""
-    device = hidden1.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden1.dtype
-    return _FusedSymmetricKL.apply(hidden1, hidden2, weight, dtype)
+    return _FusedSymmetricKL.apply(hidden1, hidden2, weight, _product_dtype(hidden1))
 
 
 class LossModel(nn.Module):
