@@ -7,9 +7,12 @@
   model dimension is needed. The tokenizer is a MarianTokenizer over mtcli's SentencePiece model with mtcli's ids,
   so `AutoTokenizer` segments exactly as mtcli does. (M2M100/NLLB, the other pre-norm family, computes its
   sinusoids with other frequencies and offsets them by the pad id, in a table it does not load: it cannot hold an
-  mtcli model exactly.)
+  mtcli model exactly.) MarianMT holds every embedding layout mtcli trains (one shared matrix, separate
+  vocabularies, untied output); Blenderbot has one embedding for encoder and decoder, so a pre-norm model with
+  separate vocabularies or untied embeddings goes to CTranslate2 instead.
 - CTranslate2 (`export_ctranslate2`): a TransformerSpec filled from the checkpoint through CTranslate2's converter
-  API (a `Converter` subclass), quantized as asked, with the SentencePiece model beside it.
+  API (a `Converter` subclass), quantized as asked, with the SentencePiece model(s) beside it under a run
+  directory's names (`spm.model`, or `spm.src.model` and `spm.tgt.model`). Any layout mtcli trains.
 
 What cannot be expressed exactly is refused with the reason, never exported approximately. `transformers` and
 `ctranslate2` are optional: `pip install 'mtcli[export]'`.
@@ -43,16 +46,20 @@ def _position_table(model) -> torch.Tensor:
     return model.sinusoids.detach().clone()
 
 
-def _check_exportable(model, tokenizer, hf: bool) -> None:
-    """Refuse what the exports cannot hold exactly: separate vocabularies, and for Hugging Face untied embeddings
-    (its models here share one embedding matrix between encoder and decoder)."""
-    if not tokenizer.joint:
+def _shares_embeddings(model) -> bool:
+    """One embedding matrix for source and target tokens (a joint vocabulary with tied embeddings)."""
+    return model.src_embed is model.tgt_embed
+
+
+def _check_exportable_hf(model) -> None:
+    """Refuse what Transformers cannot hold exactly. MarianMT (post-norm) holds every embedding layout: shared,
+    separate vocabularies, untied; Blenderbot (pre-norm) has one embedding matrix for encoder and decoder."""
+    if model.cfg.norm == "pre" and not _shares_embeddings(model):
         raise MtcliError(
-            "export: models with separate source and target vocabularies (data.joint_vocab: false) are not "
-            "supported; train with a joint vocabulary"
+            "export: a pre-norm model with separate source and target embeddings (data.joint_vocab: false or "
+            "model.tie_embeddings: false) cannot be expressed in Transformers (its pre-norm architecture, Blenderbot, "
+            "shares one embedding between encoder and decoder); export it with --format ctranslate2"
         )
-    if hf and not model.cfg.tie_embeddings:
-        raise MtcliError("export: models with untied embeddings (model.tie_embeddings: false) are not supported")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -63,10 +70,11 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     """Write a Transformers model directory (config, safetensors weights, generation config, tokenizer) to `out`."""
     transformers = _need("transformers")
     model, config, tokenizer = load_model(checkpoint, "cpu")
-    _check_exportable(model, tokenizer, hf=True)
+    _check_exportable_hf(model)
     c = config.model
+    shared = _shares_embeddings(model)
     common = dict(
-        vocab_size=tokenizer.tgt_vocab_size,
+        vocab_size=tokenizer.src_vocab_size,
         d_model=c.d_model,
         encoder_layers=c.n_encoder_layers,
         decoder_layers=c.n_decoder_layers,
@@ -91,7 +99,7 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     )
     if c.norm == "post":
         hf_config = transformers.MarianConfig(
-            decoder_vocab_size=tokenizer.tgt_vocab_size, share_encoder_decoder_embeddings=True, **common
+            decoder_vocab_size=tokenizer.tgt_vocab_size, share_encoder_decoder_embeddings=shared, **common
         )
         hf_model = transformers.MarianMTModel(hf_config)
     else:
@@ -161,10 +169,9 @@ def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch
         sd = _permute_model_dimension(sd, perm)
         if not torch.allclose(model.sinusoids[:, perm], reference["model.encoder.embed_positions.weight"], atol=1e-5):
             raise MtcliError("export: MarianMT's sinusoid table does not match mtcli's in this transformers version")
-    out = {
-        "model.shared.weight": sd["src_embed.weight"],
-        "final_logits_bias": torch.zeros_like(reference["final_logits_bias"]),
-    }
+    out = {"final_logits_bias": torch.zeros_like(reference["final_logits_bias"])}
+    if "model.shared.weight" in reference:  # one matrix for both sides; otherwise each stack has its own
+        out["model.shared.weight"] = sd["src_embed.weight"]
     out["model.encoder.embed_tokens.weight"] = sd["src_embed.weight"]
     out["model.decoder.embed_tokens.weight"] = sd["tgt_embed.weight"]
     out["lm_head.weight"] = sd["output.weight"]
@@ -205,15 +212,23 @@ def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch
 
 
 def _save_hf_tokenizer(tokenizer, config, out: Path, transformers) -> None:
-    """A MarianTokenizer over mtcli's SentencePiece model: the pieces SentencePiece makes, mapped to mtcli's ids."""
+    """A MarianTokenizer over mtcli's SentencePiece model(s): the pieces SentencePiece makes, mapped to mtcli's ids
+    (with separate vocabularies, a vocabulary for each side)."""
+
+    def vocab(spm) -> str:
+        return json.dumps({spm.id_to_piece(i): i for i in range(spm.get_piece_size())}, ensure_ascii=False)
+
     spm = tokenizer.src
-    vocab = {spm.id_to_piece(i): i for i in range(spm.get_piece_size())}
     work = out / ".tokenizer-src"
     work.mkdir(exist_ok=True)
     try:
-        for name in ("source.spm", "target.spm"):
-            shutil.copyfile(tokenizer.src_model_path, work / name)
-        (work / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        shutil.copyfile(tokenizer.src_model_path, work / "source.spm")
+        shutil.copyfile(tokenizer.tgt_model_path, work / "target.spm")
+        (work / "vocab.json").write_text(vocab(tokenizer.src), encoding="utf-8")
+        separate = {}
+        if not tokenizer.joint:
+            (work / "target_vocab.json").write_text(vocab(tokenizer.tgt), encoding="utf-8")
+            separate = dict(separate_vocabs=True, target_vocab_file=str(work / "target_vocab.json"))
         hf_tokenizer = transformers.MarianTokenizer(
             source_spm=str(work / "source.spm"),
             target_spm=str(work / "target.spm"),
@@ -224,6 +239,7 @@ def _save_hf_tokenizer(tokenizer, config, out: Path, transformers) -> None:
             eos_token=spm.id_to_piece(EOS),
             pad_token=spm.id_to_piece(PAD),
             model_max_length=config.model.max_positions - 1,
+            **separate,
         )
         hf_tokenizer.save_pretrained(out)
     finally:
@@ -240,7 +256,6 @@ def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = N
     from ctranslate2.converters.converter import Converter
 
     model, config, tokenizer = load_model(checkpoint, "cpu")
-    _check_exportable(model, tokenizer, hf=False)
 
     class MtcliConverter(Converter):
         def _load(self):
@@ -250,7 +265,7 @@ def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = N
     MtcliConverter().convert(
         str(out), quantization=None if quantization in (None, "none") else quantization, force=True
     )
-    shutil.copyfile(tokenizer.src_model_path, out / "spm.model")
+    tokenizer.copy_to(out)  # spm.model, or spm.src.model and spm.tgt.model: the names a run directory uses
     (out / "mtcli.json").write_text(
         json.dumps({"checkpoint": str(checkpoint), "src_lang": config.data.src_lang, "tgt_lang": config.data.tgt_lang})
     )
@@ -298,9 +313,9 @@ def _ctranslate2_spec(model, tokenizer, ctranslate2):
             norm(layer.attention.layer_norm, f"{mt}.norm2")
             norm(layer.ffn.layer_norm, f"{mt}.norm3")
     spec.decoder.projection.weight = sd["output.weight"]
-    spm = tokenizer.src
-    pieces = [spm.id_to_piece(i) for i in range(spm.get_piece_size())]
-    spec.register_source_vocabulary(pieces)
+    src_pieces = [tokenizer.src.id_to_piece(i) for i in range(tokenizer.src_vocab_size)]
+    pieces = [tokenizer.tgt.id_to_piece(i) for i in range(tokenizer.tgt_vocab_size)]
+    spec.register_source_vocabulary(src_pieces)
     spec.register_target_vocabulary(pieces)
     spec.config.bos_token, spec.config.eos_token = pieces[BOS], pieces[EOS]
     spec.config.unk_token, spec.config.decoder_start_token = pieces[UNK], pieces[BOS]

@@ -1,6 +1,7 @@
 """Exports and pictures on small trained models: Hugging Face greedy generation gives mtcli's greedy tokens,
 CTranslate2 beam search gives mtcli's best beam hypothesis (float32) and a near-identical BLEU in int8, for a
-pre-norm model (Blenderbot's architecture) and a post-norm one (MarianMT); attention weights recomputed for the
+pre-norm model (Blenderbot's architecture) and post-norm ones (MarianMT) with a joint and with separate
+vocabularies; attention weights recomputed for the
 pictures reproduce what SDPA computed."""
 
 import os
@@ -10,18 +11,19 @@ import torch
 from conftest import invoke
 
 from mtcli.checkpoint import best_checkpoint
+from mtcli.config import ModelConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
 from mtcli.evaluate import score
+from mtcli.model import Transformer
+from mtcli.tokenizer import Tokenizer
 from mtcli.translate import Translator
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def post_norm_run(tmp_path_factory):
+def _train_post_norm(home, **extra):
     """The toy corpus with a small post-norm model: the MarianMT side of the Hugging Face export."""
-    home = tmp_path_factory.mktemp("post")
     run = home / "run"
     sets = {
         "data.cache_dir": home / "cache",
@@ -32,6 +34,7 @@ def post_norm_run(tmp_path_factory):
         "train.max_updates": 300,
         "train.valid_every": 300,
         "train.lr": 3e-3,
+        **extra,
     }
     invoke(
         "train", "--config", "toy.yaml", "--run-dir", run, *[x for k, v in sets.items() for x in ("--set", f"{k}={v}")]
@@ -39,12 +42,24 @@ def post_norm_run(tmp_path_factory):
     return run
 
 
-@pytest.fixture(params=["pre", "post"])
-def trained(request, toy_run, post_norm_run):
-    run = toy_run if request.param == "pre" else post_norm_run
+@pytest.fixture(scope="module")
+def post_norm_run(tmp_path_factory):
+    return _train_post_norm(tmp_path_factory.mktemp("post"))
+
+
+@pytest.fixture(scope="module")
+def separate_vocab_run(tmp_path_factory):
+    """Post-norm with a SentencePiece model per side: separate embeddings, the target one tied to the output."""
+    return _train_post_norm(tmp_path_factory.mktemp("separate"), **{"data.joint_vocab": "false"})
+
+
+@pytest.fixture(params=["pre", "post", "post-separate"])
+def trained(request, toy_run, post_norm_run, separate_vocab_run):
+    run = {"pre": toy_run, "post": post_norm_run, "post-separate": separate_vocab_run}[request.param]
     ckpt = best_checkpoint(run)
     translator = Translator.from_checkpoint(ckpt, "cpu", "fp32")
-    assert translator.config.model.norm == request.param
+    assert translator.config.model.norm == request.param.split("-")[0]
+    assert translator.tokenizer.joint == (request.param != "post-separate")
     sources, references = eval_texts(translator.config, "test")
     return ckpt, translator, sources[:100], references[:100]
 
@@ -52,7 +67,7 @@ def trained(request, toy_run, post_norm_run):
 def test_hugging_face_greedy_generation_equals_mtcli_greedy(trained, tmp_path, monkeypatch):
     transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    ckpt, translator, sources, _ = trained
+    ckpt, translator, sources, references = trained
     out = tmp_path / "hf"
     invoke("export", "--checkpoint", ckpt, "--format", "hf", "--out", out)
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
@@ -61,6 +76,8 @@ def test_hugging_face_greedy_generation_equals_mtcli_greedy(trained, tmp_path, m
     assert type(model).__name__ == expected
     mtcli_ids = translator.tokenizer.encode_src(sources)
     assert [tokenizer(s)["input_ids"] for s in sources] == [ids + [3] for ids in mtcli_ids]  # same pieces, + EOS
+    target_ids = [ids + [3] for ids in translator.tokenizer.encode_tgt(references[:20])]
+    assert tokenizer(text_target=references[:20])["input_ids"] == target_ids  # the target side's own pieces
     ours = [h[0].tokens for h in translator.translate_nbest(sources, beam=1)]
     with torch.inference_mode():
         batch = tokenizer(sources, return_tensors="pt", padding=True)
@@ -80,7 +97,8 @@ def test_ctranslate2_beam_search_equals_mtcli_and_int8_is_close(trained, tmp_pat
     for quantization in ("none", "int8"):
         out = tmp_path / f"ct2-{quantization}"
         invoke("export", "--checkpoint", ckpt, "--format", "ctranslate2", "--quantization", quantization, "--out", out)
-        assert (out / "model.bin").is_file() and (out / "spm.model").is_file()
+        assert (out / "model.bin").is_file()
+        assert Tokenizer.from_folder(out).same_as(translator.tokenizer)  # the SentencePiece model(s) beside it
         engine = ctranslate2.Translator(str(out), device="cpu", intra_threads=1)
         found = engine.translate_batch(pieces, beam_size=4, length_penalty=0.0, max_decoding_length=200)
         results[quantization] = [translator.tokenizer.tgt.decode_pieces(r.hypotheses[0]) for r in found]
@@ -105,6 +123,12 @@ def test_export_refuses_what_it_cannot_hold_and_names_the_extra(toy_run, tmp_pat
     )
     with pytest.raises(MtcliError, match=r"mtcli\[export\]"):
         export.export_hf(best_checkpoint(toy_run), tmp_path / "hf")
+    # Blenderbot, the pre-norm architecture in Transformers, has one embedding for encoder and decoder.
+    pre_norm_separate = Transformer(
+        ModelConfig(layers=1, d_model=16, heads=2, d_ff=32, norm="pre"), 40, 50, joint_vocab=False
+    )
+    with pytest.raises(MtcliError, match="pre-norm model with separate .* --format ctranslate2"):
+        export._check_exportable_hf(pre_norm_separate)
 
 
 def test_attention_weights_reproduce_sdpa_and_make_a_picture(toy_run, tmp_path):
