@@ -1,7 +1,7 @@
 """Exports and pictures on small trained models: Hugging Face greedy generation gives mtcli's greedy tokens,
 CTranslate2 beam search gives mtcli's best beam hypothesis (float32) and a near-identical BLEU in int8, for a
-pre-norm model (Blenderbot's architecture) and post-norm ones (MarianMT) with a joint and with separate
-vocabularies; attention weights recomputed for the
+pre-norm model (Blenderbot's architecture) and post-norm ones (MarianMT) with a joint vocabulary, with
+separate vocabularies and with untied embeddings; attention weights recomputed for the
 pictures reproduce what SDPA computed."""
 
 import os
@@ -53,13 +53,20 @@ def separate_vocab_run(tmp_path_factory):
     return _train_post_norm(tmp_path_factory.mktemp("separate"), **{"data.joint_vocab": "false"})
 
 
-@pytest.fixture(params=["pre", "post", "post-separate"])
-def trained(request, toy_run, post_norm_run, separate_vocab_run):
-    run = {"pre": toy_run, "post": post_norm_run, "post-separate": separate_vocab_run}[request.param]
-    ckpt = best_checkpoint(run)
+@pytest.fixture(scope="module")
+def untied_run(tmp_path_factory):
+    """Post-norm, joint vocabulary, three separate matrices: source and target embeddings and the output layer."""
+    return _train_post_norm(tmp_path_factory.mktemp("untied"), **{"model.tie_embeddings": "false"})
+
+
+@pytest.fixture(params=["pre", "post", "post-separate", "post-untied"])
+def trained(request, toy_run, post_norm_run, separate_vocab_run, untied_run):
+    runs = {"pre": toy_run, "post": post_norm_run, "post-separate": separate_vocab_run, "post-untied": untied_run}
+    ckpt = best_checkpoint(runs[request.param])
     translator = Translator.from_checkpoint(ckpt, "cpu", "fp32")
     assert translator.config.model.norm == request.param.split("-")[0]
     assert translator.tokenizer.joint == (request.param != "post-separate")
+    assert translator.config.model.tie_embeddings == (request.param != "post-untied")
     sources, references = eval_texts(translator.config, "test")
     return ckpt, translator, sources[:100], references[:100]
 
