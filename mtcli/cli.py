@@ -131,6 +131,9 @@ def translate(
     top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: all)."),
     top_p: float = typer.Option(None, "--top-p", help="Sample from the smallest set with this probability."),
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
+    split_long: bool = typer.Option(
+        False, "--split-long", help="Translate lines longer than the model's positions in pieces, not truncated."
+    ),
     precision: str = PrecisionOpt,
     ensemble: list[Path] = EnsembleOpt,
     overrides: list[str] = DecodeSetOpt,
@@ -169,8 +172,10 @@ def translate(
         options |= dict(batch_tokens=batch_tokens, precision=precision)
         decode = decode_settings(with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode, **options)
         translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
+        translator.split_long = split_long
         if stdin:
-            write_translations(translator, stdin_chunks(max_chars=translator.max_chars), decode, out)
+            max_chars = 1 << 26 if split_long else translator.max_chars  # split: keep a long line whole
+            write_translations(translator, stdin_chunks(max_chars=max_chars), decode, out)
         elif lines is not None:
             write_translations(translator, chunked(lines), decode, out, total=len(lines))
         else:

@@ -179,6 +179,9 @@ class Translator:
         self.generator: torch.Generator | None = None
         self.checkpoint: Path | None = None  # where the weights came from, when loaded from a checkpoint
         self.ensemble: list[Path] = []  # the other members' checkpoints, when it translates as an ensemble
+        # Lines longer than the positions: cut into pieces that fit and their translations joined (mtcli.segment;
+        # `mtcli serve`, `mtcli translate --split-long`), instead of truncated with a warning
+        self.split_long = False
 
     @classmethod
     def from_checkpoint(
@@ -240,8 +243,16 @@ class Translator:
         self, lines: list[str], decode: DecodeConfig | None = None, progress=False, **options
     ) -> list[list[Translation]]:
         """decode.nbest translations (best first, with scores) for each line, in order. Empty lines give empty
-        outputs; lines longer than the model's positions are truncated, with one warning."""
+        outputs; lines longer than the model's positions are truncated, with one warning (split, with split_long)."""
         decode = self.decode_config(decode, **options)
+        if self.split_long:
+            from mtcli.segment import translate_long_lines  # mtcli.segment builds on this module
+
+            return translate_long_lines(self, lines, decode, progress)
+        return self.translate_lines(lines, decode, progress)
+
+    def translate_lines(self, lines: list[str], decode: DecodeConfig, progress=False) -> list[list[Translation]]:
+        """translate_nbest without options or splitting: over-long lines are truncated, with one warning."""
         cut = [len(line) > self.max_chars for line in lines]
         lines = [line[: self.max_chars].strip() for line in lines]
         ids = self.tokenizer.encode_src(lines)

@@ -1,0 +1,172 @@
+"""Cutting text into what the model translates and putting the translations back together.
+
+Three cuts, each keeping everything between the pieces (the glue) so the output keeps the input's layout:
+- plain text into lines, and lines into sentences with sentencex (Wikimedia's rule-based segmenter for ~300
+  languages: a compiled wheel with no dependencies and no models to download);
+- HTML into text runs between tags (tags, comments and the contents of script, style, code and pre are kept as
+  they are), each run then cut as plain text;
+- a sentence longer than the model's positions into pieces of at most that many subwords, cut at word starts and
+  preferably after punctuation, so a long input is translated whole instead of truncated.
+
+A text cut into pieces p0, p1, ... is `glue[0] + p0 + glue[1] + p1 + ... + glue[-1]`; `join` puts translations in
+the pieces' places. Runs with no letter in them (numbers, emoji, punctuation) stay in the glue, untranslated.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable
+from dataclasses import dataclass
+from html.parser import HTMLParser
+
+from mtcli.tokenizer import CJK_LANGS
+
+PUNCTUATION = tuple(",;:.!?)]}…，。；：！？、）")  # a long sentence is best cut right after one of these
+VERBATIM_TAGS = {"script", "style", "code", "pre"}  # HTML whose text is not prose to translate
+
+
+@dataclass
+class Segments:
+    pieces: list[str]  # what the model translates, in order
+    glue: list[str]  # len(pieces) + 1 strings around them (HTML: markup, already escaped)
+    html: bool = False  # translations are escaped when joined
+
+
+def split_text(text: str, lang: str) -> Segments:
+    """Lines, then sentences (sentencex for `lang`); surrounding whitespace and letterless runs become glue."""
+    import sentencex  # here: the serve extra has it; `mtcli translate --split-long` needs only split_long
+
+    pieces, glue, pending = [], [], ""
+    for line in text.splitlines(keepends=True):
+        for sentence in sentencex.segment(lang, line):
+            core = sentence.strip()
+            if not any(ch.isalpha() for ch in core):  # nothing a translation model could improve: copy it
+                pending += sentence
+                continue
+            start = len(sentence) - len(sentence.lstrip())
+            glue.append(pending + sentence[:start])
+            pieces.append(core)
+            pending = sentence[start + len(core) :]
+    glue.append(pending)
+    return Segments(pieces, glue)
+
+
+class _MarkupSplitter(HTMLParser):
+    """HTML as a list of (is_text, string): markup verbatim, text unescaped (and verbatim inside VERBATIM_TAGS)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.parts: list[tuple[bool, str]] = []
+        self.verbatim_depth = 0
+
+    def markup(self, text: str) -> None:
+        self.parts.append((False, text))
+
+    def handle_starttag(self, tag, attrs):
+        self.markup(self.get_starttag_text())
+        if tag in VERBATIM_TAGS:
+            self.verbatim_depth += 1
+
+    def handle_startendtag(self, tag, attrs):
+        self.markup(self.get_starttag_text())
+
+    def handle_endtag(self, tag):
+        self.markup(f"</{tag}>")
+        if tag in VERBATIM_TAGS and self.verbatim_depth:
+            self.verbatim_depth -= 1
+
+    def handle_data(self, data):
+        if self.verbatim_depth or self.cdata_elem:  # script/style bodies arrive raw: keep them raw
+            self.markup(data if self.cdata_elem else html.escape(data, quote=False))
+        else:
+            self.parts.append((True, data))
+
+    def handle_comment(self, data):
+        self.markup(f"<!--{data}-->")
+
+    def handle_decl(self, decl):
+        self.markup(f"<!{decl}>")
+
+    def handle_pi(self, data):
+        self.markup(f"<?{data}>")
+
+    def unknown_decl(self, data):
+        self.markup(f"<![{data}]>")
+
+
+def split_html(text: str, lang: str) -> Segments:
+    """The text runs of an HTML fragment, each cut as plain text; the markup between them is glue."""
+    parser = _MarkupSplitter()
+    parser.feed(text)
+    parser.close()
+    pieces, glue = [], [""]
+    for is_text, part in parser.parts:
+        if not is_text:
+            glue[-1] += part
+            continue
+        run = split_text(part, lang)
+        glue[-1] += html.escape(run.glue[0], quote=False)
+        pieces += run.pieces
+        glue += [html.escape(g, quote=False) for g in run.glue[1:]]
+    return Segments(pieces, glue, html=True)
+
+
+def join(segments: Segments, translations: list[str], tgt_lang: str) -> str:
+    """The glue with each piece replaced by its translation. Between two pieces, spaces alone are dropped when
+    the target language writes without them (Chinese, Japanese)."""
+    no_spaces = tgt_lang.lower() in CJK_LANGS
+    out = [segments.glue[0]]
+    for i, translation in enumerate(translations):
+        out.append(html.escape(translation, quote=False) if segments.html else translation)
+        between = segments.glue[i + 1]
+        last = i + 1 == len(translations)
+        out.append("" if no_spaces and not last and between.strip(" ") == "" else between)
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sentences longer than the model's positions
+
+
+def split_long(tokenizer, line: str, limit: int) -> list[str]:
+    """`line` as pieces of at most `limit` source subwords (the line itself when it fits). Each cut is at the last
+    word start in the second half of the window, right after punctuation where there is one; where neither is
+    (a long unspaced run), at the window's end."""
+    pieces = tokenizer.src.encode(line, out_type=str)
+    if len(pieces) <= limit:
+        return [line]
+    size = max(limit - 4, 2)  # margin: a piece re-encoded on its own may gain a subword at its start
+    chunks, start = [], 0
+    while len(pieces) - start > size:
+        window = range(start + size, start + size // 2, -1)  # candidate cut positions, latest first
+        after_punct = [c for c in window if pieces[c - 1].endswith(PUNCTUATION)]
+        word_start = [c for c in window if pieces[c].startswith("▁")]
+        cut = (after_punct or word_start or [start + size])[0]
+        chunks.append(pieces[start:cut])
+        start = cut
+    chunks.append(pieces[start:])
+    return [tokenizer.src.decode_pieces(chunk).strip() for chunk in chunks]
+
+
+def combine_nbest(hyp_lists: list[list], join_texts: Callable[[list[str]], str]):
+    """One n-best list for a text from its pieces' n-best lists: alternative i joins each piece's i-th hypothesis
+    (its last where it has fewer); scores and log-probabilities add up, as for one long output."""
+    from mtcli.translate import Translation  # here: mtcli.translate imports this module's callers
+
+    n = max((len(hyps) for hyps in hyp_lists), default=1)
+    combined = []
+    for i in range(n):
+        picked = [hyps[min(i, len(hyps) - 1)] for hyps in hyp_lists]
+        tokens = [t for h in picked for t in h.tokens]
+        score, log_prob = sum(h.score for h in picked), sum(h.log_prob for h in picked)
+        combined.append(Translation(join_texts([h.text for h in picked]), score, log_prob, tokens))
+    return combined
+
+
+def translate_long_lines(translator, lines: list[str], decode, progress=False) -> list:
+    """Translator.translate_nbest with split_long: lines over the positions are cut (split_long), all pieces
+    translated as one list, and each line's translations joined with a space (nothing for Chinese or Japanese)."""
+    cut = [split_long(translator.tokenizer, line, translator.max_src_tokens) for line in lines]
+    hyps = iter(translator.translate_lines([p for pieces in cut for p in pieces], decode, progress))
+    sep = "" if translator.config.data.tgt_lang.lower() in CJK_LANGS else " "
+    return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]
