@@ -4,11 +4,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The torch requirement; CI passes torch==2.13.0 (this machine's CPU build). Default: whatever pip picks.
 TORCH ?= torch
-# Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib.
-EXTRAS ?= dev,tensorboard,export,plot
+# Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib, the server.
+EXTRAS ?= dev,tensorboard,export,plot,serve
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast smoke lint bench faults clean
+.PHONY: install test test-fast smoke lint bench bench-serve faults clean
 
 install: $(VENV)/.installed
 
@@ -44,6 +44,12 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/bench.py
+
+# mtcli serve under 1, 8 and 64 concurrent clients on localhost (Multi30k test sentences): sentences/s and p50/p95/p99
+# latency, beside offline `mtcli translate --input` on the same sentences. BENCH_SERVE_ARGS=--run DIR picks the model.
+BENCH_SERVE_ARGS ?=
+bench-serve: install
+	$(BIN)/python benchmarks/bench_serve.py $(BENCH_SERVE_ARGS)
 
 # The fault matrix: SIGKILLs (at least 20) with exact resume, full disk, NaN, torchrun restarts, a shared run
 # directory, bad input, a 100 MB stdin; prints its counts. FAULTS_ARGS=--kills N sets the number of kills.

@@ -302,6 +302,48 @@ def attention(
     print(plot_attention(result, out, layer, head))
 
 
+@app.command(short_help="Serve a model over HTTP: LibreTranslate's API, batching, a page to try it.")
+def serve(
+    run: Path = RunOpt,
+    checkpoint: Path = CheckpointOpt,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(5000, help="Port (0: a free one, printed on start)."),
+    precision: str = PrecisionOpt,
+    ensemble: list[Path] = EnsembleOpt,
+    overrides: list[str] = DecodeSetOpt,
+    device: str = DeviceOpt,
+    api_keys: Path = typer.Option(None, "--api-keys", help="File of API keys, one per line (default: open access)."),
+    queue_size: int = typer.Option(4096, "--queue-size", help="Sentences that may wait; more get 503 + Retry-After."),
+    max_wait_ms: float = typer.Option(10.0, "--max-wait-ms", help="Longest wait for requests to batch with."),
+    timeout: float = typer.Option(60.0, help="Seconds a request may take before it is answered 503."),
+    max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body (413 above)."),
+    max_sentences: int = typer.Option(512, "--max-sentences", help="Sentences per request (413 above)."),
+    max_chars: int = typer.Option(20_000, "--max-chars", help="Characters per text (413 above)."),
+    max_beam: int = typer.Option(16, "--max-beam", help="Largest beam (and alternatives + 1) a request may ask."),
+):
+    """Serve a trained run over HTTP: POST /translate and GET /languages (LibreTranslate's API), POST /v1/translate
+    (every decode setting, scores, n-best), GET /health, /metrics and / (a page to try it). Needs: pip install
+    'mtcli[serve]'. SIGTERM or Ctrl-C stops accepting, answers every accepted request, then exits.
+
+    Example: mtcli serve --run runs/multi30k --port 5000   then   curl -d '{"q": "Hello", "target": "de"}'
+    -H 'Content-Type: application/json' localhost:5000/translate
+    """
+    from mtcli.checkpoint import read_config
+    from mtcli.config import with_overrides
+    from mtcli.serve import serve as run_server  # first: it says which extra to install when one is missing
+    from mtcli.serve_requests import ServeLimits, read_api_keys
+    from mtcli.translate import Translator, decode_settings, resolve_checkpoint
+
+    limits = ServeLimits(
+        max_body_bytes, max_sentences, max_chars, queue_size, timeout, max_wait_ms, max_beam, read_api_keys(api_keys)
+    )
+    ckpt = resolve_checkpoint(run, checkpoint)
+    decode = with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode
+    decode = decode_settings(decode, precision=precision)
+    translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
+    run_server(translator, decode, limits, host, port)
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,291 @@
+"""`mtcli serve`: a trained model behind HTTP, on FastAPI and uvicorn (the `serve` extra).
+
+Routes: POST /translate and GET /languages speak LibreTranslate's API, so its clients (Mastodon and others) work
+unchanged; POST /v1/translate takes every decode setting and returns scores and n-best lists; GET /health, GET
+/metrics (Prometheus text) and GET / (a page to try the model). Each request is read and checked here (size
+limits, types, API keys; every error is JSON {"error": "one line"}), cut into sentences (mtcli.segment) and handed
+to the model worker (mtcli.serve_worker), which batches the requests that arrive together. SIGTERM drains: uvicorn
+stops accepting connections, every accepted request is answered, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import time
+from dataclasses import replace
+from importlib import resources
+
+from mtcli.config import DecodeConfig
+from mtcli.errors import MtcliError
+from mtcli.log import logger
+from mtcli.segment import Segments, combine_nbest, join, split_html, split_text
+from mtcli.serve_requests import (
+    NATIVE_FIELDS,
+    NATIVE_OPTIONS,
+    HTTPError,
+    ServeLimits,
+    check_key,
+    decode_options,
+    language,
+    read_alternatives,
+    read_fields,
+    read_texts,
+    text_format,
+    typed,
+)
+from mtcli.serve_worker import Metrics, QueueFull, Worker
+
+try:
+    import sentencex  # noqa: F401 - mtcli.segment imports it where it cuts sentences
+    import uvicorn
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+except ImportError as e:
+    raise MtcliError(f"mtcli serve needs the serve extra ({e.name} is missing): pip install 'mtcli[serve]'") from None
+
+ROUTES = ("/", "/translate", "/languages", "/v1/translate", "/health", "/metrics")
+LANGUAGE_NAMES = {
+    "ar": "Arabic", "cs": "Czech", "de": "German", "en": "English", "es": "Spanish", "fr": "French", "it": "Italian",
+    "ja": "Japanese", "ko": "Korean", "nl": "Dutch", "pl": "Polish", "pt": "Portuguese", "ru": "Russian",
+    "tr": "Turkish", "uk": "Ukrainian", "zh": "Chinese",
+}  # fmt: skip
+
+
+class Server:
+    def __init__(self, translator, decode: DecodeConfig, limits: ServeLimits):
+        translator.split_long = True  # a sentence longer than the positions is cut and translated whole
+        self.translator, self.decode, self.limits = translator, decode, limits
+        self.src, self.tgt = translator.config.data.src_lang, translator.config.data.tgt_lang
+        self.metrics = Metrics()
+        self.worker = Worker(translator, limits.queue_size, limits.max_wait_ms / 1000, self.metrics)
+        self.page = resources.files("mtcli").joinpath("static/index.html").read_text(encoding="utf-8")
+
+    def app(self) -> Accounting:
+        app = FastAPI(title="mtcli", docs_url=None, redoc_url=None, lifespan=self.lifespan)  # docs need a CDN
+        app.add_api_route("/", self.index, methods=["GET"], response_class=HTMLResponse)
+        app.add_api_route("/translate", self.libre_translate, methods=["POST"])
+        app.add_api_route("/languages", self.languages, methods=["GET"])
+        app.add_api_route("/v1/translate", self.native_translate, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.render_metrics, methods=["GET"], response_class=PlainTextResponse)
+        app.add_exception_handler(HTTPError, error_response)
+        app.add_exception_handler(StarletteHTTPException, http_exception)
+        app.add_exception_handler(Exception, internal_error)
+        return Accounting(app, self.metrics, self.limits.timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.worker.start()
+        yield
+        await asyncio.to_thread(self.worker.stop)  # every request is answered by now; the thread ends
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Routes
+
+    async def index(self) -> HTMLResponse:
+        return HTMLResponse(self.page)
+
+    async def languages(self) -> list[dict]:
+        return [{"code": self.src, "name": LANGUAGE_NAMES.get(self.src, self.src), "targets": [self.tgt]}]
+
+    async def health(self) -> dict:
+        t = self.translator
+        return {
+            "status": "ok",
+            "model": {
+                "source": self.src,
+                "target": self.tgt,
+                "checkpoint": str(t.checkpoint) if t.checkpoint else None,
+                "ensemble": len(t.ensemble) + 1,
+                "precision": t.precision,
+            },
+            "queue": {"sentences": self.worker.queued, "limit": self.limits.queue_size},
+            "api_key_required": bool(self.limits.api_keys),
+        }
+
+    async def render_metrics(self) -> PlainTextResponse:
+        text = self.metrics.render(self.worker.queued, self.limits.queue_size)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def libre_translate(self, request: Request) -> JSONResponse:
+        """LibreTranslate's /translate: q (a string or a list), source (or auto), target, format, alternatives."""
+        fields = await self.read_checked(request)
+        texts, single = read_texts(fields, "q", self.limits)
+        source = language(fields.get("source"), self.src, f"{self.src} to {self.tgt}", auto=True)
+        language(fields.get("target"), self.tgt, f"{self.src} to {self.tgt}")
+        n = read_alternatives(fields.get("alternatives"), self.limits)
+        decode = replace(self.decode, beam=max(self.decode.beam, n + 1), nbest=n + 1) if n else self.decode
+        results = await self.translate_texts(request, texts, decode, text_format(fields.get("format")), True)
+        best = [hyps[0].text for hyps in results]
+        answer: dict = {"translatedText": best[0] if single else best}
+        if n:
+            alternatives = [[h.text for h in hyps[1:]] for hyps in results]
+            answer["alternatives"] = alternatives[0] if single else alternatives
+        if source == "auto":  # no detection: the model reads one language, so that is what it was given
+            detected = {"confidence": 100.0, "language": self.src}
+            answer["detectedLanguage"] = detected if single else [detected] * len(texts)
+        return JSONResponse(answer)
+
+    async def native_translate(self, request: Request) -> JSONResponse:
+        """texts, any decode setting in NATIVE_OPTIONS, format, split_sentences -> translations with scores."""
+        fields = await self.read_checked(request)
+        unknown = set(fields) - NATIVE_FIELDS
+        if unknown:
+            known = ", ".join(sorted(NATIVE_FIELDS))
+            raise HTTPError(422, f"unknown field(s) {', '.join(sorted(unknown))}; known: {known}")
+        texts, _ = read_texts(fields, "texts", self.limits)
+        fmt = text_format(fields.get("format"))
+        split = typed("split_sentences", fields.get("split_sentences", True), bool)
+        if fmt == "html" and not split:
+            raise HTTPError(422, "split_sentences: false applies to format text only")
+        decode = decode_options(fields, self.decode, self.limits, self.translator.config.model.max_positions)
+        results = await self.translate_texts(request, texts, decode, fmt, split)
+        translations = []
+        for hyps in results:
+            item = {"text": hyps[0].text, "score": hyps[0].score, "log_prob": hyps[0].log_prob}
+            if decode.nbest > 1:
+                item["nbest"] = [{"text": h.text, "score": h.score, "log_prob": h.log_prob} for h in hyps]
+            translations.append(item)
+        settings = {key: getattr(decode, key) for key in NATIVE_OPTIONS}
+        return JSONResponse({"translations": translations, "source": self.src, "target": self.tgt, "decode": settings})
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Reading and checking a request
+
+    # -----------------------------------------------------------------------------------------------------------------
+    # Translating
+
+    async def read_checked(self, request: Request) -> dict:
+        """The request's fields, once its body is read and its API key (where keys are configured) checked."""
+        fields = await read_fields(request, self.limits.max_body_bytes)
+        check_key(request, fields, self.limits.api_keys)
+        return fields
+
+    def cut(self, text: str, fmt: str, split: bool) -> Segments:
+        if fmt == "html":
+            return split_html(text, self.src)
+        return split_text(text, self.src) if split else Segments([text], ["", ""])
+
+    async def translate_texts(self, request: Request, texts: list[str], decode: DecodeConfig, fmt: str, split: bool):
+        """Each text's n-best list (one entry without nbest): cut, translated by the worker, joined back."""
+        segments = [self.cut(text, fmt, split) for text in texts]
+        sentences = [piece for s in segments for piece in s.pieces]
+        if len(sentences) > self.limits.max_sentences:
+            limit = f"the limit is {self.limits.max_sentences:,} per request (--max-sentences)"
+            raise HTTPError(413, f"the texts hold {len(sentences):,} sentences; {limit}")
+        hyps = iter(await self.run(request, sentences, decode) if sentences else [])
+        return [combine_nbest([next(hyps) for _ in s.pieces], lambda t, s=s: join(s, t, self.tgt)) for s in segments]
+
+    async def run(self, request: Request, sentences: list[str], decode: DecodeConfig) -> list:
+        """The worker's n-best lists for `sentences`; a 503 (with Retry-After) when the queue is full or the
+        request's time runs out; the job is dropped when its client disconnects."""
+        try:
+            job = self.worker.submit(sentences, decode, asyncio.get_running_loop())
+        except QueueFull as e:
+            queued, size = self.worker.queued, self.limits.queue_size
+            busy = f"the server is busy ({queued:,} sentences queued, --queue-size {size})"
+            raise HTTPError(503, f"{busy}; retry in {e.retry_after} s", {"Retry-After": str(e.retry_after)}) from None
+        gone = asyncio.ensure_future(client_gone(request))
+        remaining = request.scope["mtcli.start"] + self.limits.timeout - time.monotonic()
+        await asyncio.wait({job.future, gone}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+        disconnected = gone.done()
+        gone.cancel()
+        if job.future.done():
+            if job.future.exception() is not None:
+                error = job.future.exception()
+                raise HTTPError(500, f"translation failed ({type(error).__name__}: {error})")
+            return job.future.result()
+        job.cancelled = True  # the worker skips it if its batch has not started
+        job.future.cancel()
+        if disconnected:
+            raise HTTPError(499, "the client closed the connection")
+        retry = str(self.worker.retry_after())
+        raise HTTPError(503, f"not answered within {self.limits.timeout:g} s (--timeout)", {"Retry-After": retry})
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client disconnects: with the body read, the next ASGI message is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def error_response(request: Request, exc: HTTPError) -> JSONResponse:
+    return JSONResponse({"error": exc.message}, exc.status, headers=exc.headers)
+
+
+async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and wrong methods, in the same {"error": ...} shape."""
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
+
+
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: one line to the client; uvicorn logs the traceback."""
+    return JSONResponse({"error": f"internal error ({type(exc).__name__}); see the server's log"}, 500)
+
+
+class Accounting:
+    """ASGI wrapper around the app: every request is counted and timed (/metrics, the summary at exit) and its
+    arrival noted, which its timeout counts from."""
+
+    def __init__(self, app, metrics: Metrics, timeout: float):
+        self.app, self.metrics, self.timeout = app, metrics, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = scope["mtcli.start"] = time.monotonic()
+        with self.metrics.lock:
+            self.metrics.accepted += 1
+        status = 0
+
+        async def send_noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            route = scope["path"] if scope["path"] in ROUTES else "other"
+            self.metrics.request(route, status, time.monotonic() - start)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free port, chosen by the kernel)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        raise MtcliError(f"cannot listen on {host}:{port} ({e.strerror or e})") from None
+    return sock
+
+
+def serve(translator, decode: DecodeConfig, limits: ServeLimits, host: str = "127.0.0.1", port: int = 5000) -> None:
+    """Serve `translator` until SIGTERM or Ctrl-C, then answer every accepted request and return."""
+    server = Server(translator, decode, limits)
+    sock = listen(host, port)
+    config = uvicorn.Config(
+        server.app(),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(limits.timeout) + 5,  # requests time out before this; a backstop
+    )
+    # uvicorn re-raises the signal it drained on once it is done; by then the work is finished, so exit 0
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    url_host = f"[{host}]" if ":" in host else host
+    logger.info(
+        f"serving {server.src}->{server.tgt} at http://{url_host}:{sock.getsockname()[1]}/ "
+        f"(precision {translator.precision}, beam {decode.beam}); SIGTERM or Ctrl-C stops after answering"
+    )
+    uvicorn.Server(config).run(sockets=[sock])
+    m = server.metrics
+    logger.info(f"stopped: answered {m.answered} of {m.accepted} accepted requests, {m.sentences:,} sentences")

@@ -1,0 +1,242 @@
+"""What `mtcli serve` accepts: its limits, and the reading and checking of a request's body and fields.
+
+Every function here either returns clean values or raises HTTPError with a status and one line for the client:
+400 for a body or field that cannot be read (malformed JSON, wrong types, bytes that are not UTF-8, an unknown
+language), 401 for a missing or wrong API key, 413 for a body, text or request over a limit (the message names
+the option that sets it), 422 for a well-formed value the server will not take (a beam over --max-beam).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import urllib.parse
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mtcli.config import DecodeConfig
+from mtcli.errors import MtcliError
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+DRAIN_LIMIT = 16 << 20  # an over-limit body is read (and dropped) up to this size, so its sender gets the 413
+NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with their JSON types
+    "beam": int,
+    "nbest": int,
+    "lenpen": float,
+    "max_len_a": float,
+    "max_len_b": int,
+    "min_len": int,
+    "no_repeat_ngram": int,
+    "sampling": bool,
+    "temperature": float,
+    "top_k": int,
+    "top_p": float,
+}
+NATIVE_FIELDS = {"texts", "format", "split_sentences", "api_key", *NATIVE_OPTIONS}
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    max_body_bytes: int = 1 << 20
+    max_sentences: int = 512  # per request, after cutting paragraphs into sentences
+    max_chars: int = 20_000  # per text
+    queue_size: int = 4096  # sentences waiting for the model
+    timeout: float = 60.0  # seconds from a request's arrival to its answer
+    max_wait_ms: float = 10.0  # the longest the first request of a batch waits for others
+    max_beam: int = 16
+    api_keys: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        for flag, value in (
+            ("--max-body-bytes", self.max_body_bytes),
+            ("--max-sentences", self.max_sentences),
+            ("--max-chars", self.max_chars),
+            ("--queue-size", self.queue_size),
+            ("--timeout", self.timeout),
+            ("--max-beam", self.max_beam),
+        ):
+            if value <= 0:
+                raise MtcliError(f"{flag} must be positive, not {value}")
+        if self.max_wait_ms < 0:
+            raise MtcliError(f"--max-wait-ms must be >= 0, not {self.max_wait_ms}")
+        if self.max_sentences > self.queue_size:
+            raise MtcliError(f"--max-sentences ({self.max_sentences}) cannot exceed --queue-size ({self.queue_size})")
+
+
+def read_api_keys(path: Path | None) -> frozenset[str]:
+    """One key per line; blank lines and lines starting with # are skipped. No file: no keys (open access)."""
+    if path is None:
+        return frozenset()
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise MtcliError(f"--api-keys {path}: cannot read ({getattr(e, 'strerror', None) or e})") from None
+    keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+    if not keys:
+        raise MtcliError(f"--api-keys {path}: no keys in the file (one per line)")
+    return keys
+
+
+class HTTPError(Exception):
+    """An answer other than 200: its status, one line for {"error": ...}, and headers such as Retry-After."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+
+
+def json_type(value) -> str:
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return names.get(type(value), "null")
+
+
+def typed(name: str, value, kind: type):
+    """`value` if it has the JSON type `kind` (int: not a boolean; float: any finite number), else a 400."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
+    if not ok:
+        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        raise HTTPError(400, f"{name}: expected {expected}, got {json_type(value)}")
+    return value
+
+
+async def read_fields(request: Request, limit: int) -> dict:
+    """The body as a dict: JSON, or a urlencoded form (LibreTranslate takes both). Over-limit, non-UTF-8 or
+    malformed bodies end here with a 413 or 400."""
+    declared = request.headers.get("content-length", "")
+    too_big = HTTPError(413, f"the request body is over the limit of {limit:,} bytes (--max-body-bytes)")
+    expects_continue = "100-continue" in request.headers.get("expect", "").lower()
+    if declared.isdigit() and int(declared) > limit and (expects_continue or int(declared) > DRAIN_LIMIT):
+        raise too_big  # answered before the body is sent (or too big to read through)
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > DRAIN_LIMIT:
+            break
+        if size <= limit:
+            body += chunk
+    if size > limit:
+        raise too_big
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        where = f"byte {body[e.start]:#04x} at offset {e.start}"
+        raise HTTPError(400, f"the request body is not UTF-8 ({where})") from None
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    # curl -d sends JSON labelled as a form; a form body never starts with { or [, so such a body is read as JSON
+    if kind == "application/x-www-form-urlencoded" and not text.lstrip().startswith(("{", "[")):
+        try:  # q may repeat: a list of texts
+            form = urllib.parse.parse_qs(text, keep_blank_values=True, errors="strict")
+        except UnicodeDecodeError:
+            raise HTTPError(400, "the form holds a percent-encoded value that is not UTF-8") from None
+        return {key: values if key == "q" and len(values) > 1 else values[-1] for key, values in form.items()}
+    if kind.startswith("multipart/"):
+        raise HTTPError(400, "multipart bodies are not supported; send JSON or a urlencoded form")
+    if not text.strip():
+        raise HTTPError(400, 'the request body is empty; send JSON such as {"q": "Hello", "target": "..."}')
+    try:
+        fields = json.loads(text)
+    except RecursionError:
+        raise HTTPError(400, "the JSON body is nested too deeply") from None
+    except ValueError as e:
+        raise HTTPError(400, f"the request body is not valid JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise HTTPError(400, f"the JSON body must be an object, not {json_type(fields)}")
+    return fields
+
+
+def check_key(request: Request, fields: dict, keys: frozenset[str]) -> None:
+    """Nothing when no keys are configured or a valid one is given (the api_key field, or a Bearer token)."""
+    if not keys:
+        return
+    key = fields.get("api_key")
+    auth = request.headers.get("authorization", "")
+    if not key and auth[:7].lower() == "bearer ":
+        key = auth[7:].strip()
+    valid = isinstance(key, str) and any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+    if not valid:
+        message = "a valid API key is required (the api_key field or an Authorization: Bearer header)"
+        raise HTTPError(401, message, {"WWW-Authenticate": "Bearer"})
+
+
+def read_texts(fields: dict, name: str, limits: ServeLimits) -> tuple[list[str], bool]:
+    """The texts to translate, and whether a single string was given (answered with a single string)."""
+    value = fields.get(name)
+    if value is None or value == [] or value == "":
+        raise HTTPError(400, f"missing {name} parameter: the text(s) to translate")
+    if isinstance(value, str):
+        value, single = [value], True
+    elif isinstance(value, list) and all(isinstance(t, str) for t in value):
+        single = False
+    else:
+        raise HTTPError(400, f"{name}: expected a string or a list of strings, got {json_type(value)}")
+    if len(value) > limits.max_sentences:
+        raise HTTPError(
+            413, f"{len(value):,} texts; the limit is {limits.max_sentences:,} per request (--max-sentences)"
+        )
+    for i, text in enumerate(value):
+        if len(text) > limits.max_chars:
+            limit = f"the limit is {limits.max_chars:,} per text (--max-chars)"
+            raise HTTPError(413, f"{name}[{i}] has {len(text):,} characters; {limit}")
+        if "\x00" in text:
+            raise HTTPError(400, f"{name}[{i}] contains a NUL character")
+    return value, single
+
+
+def language(value, lang: str, pair: str, auto: bool = False) -> str:
+    """A language code that names this model's `lang` (a regional variant such as en-US does; "auto" where
+    `auto`), as given; missing: `lang`. Else the 400 LibreTranslate answers."""
+    if value is None or value == "":
+        return "auto" if auto else lang
+    if not isinstance(value, str):
+        raise HTTPError(400, f"a language code must be a string, not {json_type(value)}")
+    code = value.strip().lower().replace("_", "-")
+    if auto and code == "auto":
+        return code
+    if code.split("-")[0] != lang.lower().split("-")[0]:
+        raise HTTPError(400, f"{value} is not supported: this server translates {pair}")
+    return code
+
+
+def text_format(value) -> str:
+    if value in (None, "", "text", "html"):
+        return value or "text"
+    raise HTTPError(400, f"{value} format is not supported (text or html)")
+
+
+def read_alternatives(value, limits: ServeLimits) -> int:
+    """LibreTranslate's alternatives: a number (or a numeric string, as forms send), at most max_beam - 1."""
+    if value is None or value == "":
+        return 0
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise HTTPError(400, "alternatives parameter is not a number")
+    if value > limits.max_beam - 1:
+        raise HTTPError(422, f"alternatives {value} is over this server's limit of {limits.max_beam - 1}")
+    return max(value, 0)
+
+
+def decode_options(fields: dict, decode: DecodeConfig, limits: ServeLimits, positions: int) -> DecodeConfig:
+    """The server's decode settings with the request's own applied, as `mtcli translate --beam ...` would."""
+    values = {key: typed(key, fields[key], kind) for key, kind in NATIVE_OPTIONS.items() if key in fields}
+    if values.get("beam", 0) > limits.max_beam:
+        raise HTTPError(422, f"beam {values['beam']} is over this server's limit of {limits.max_beam}")
+    if "beam" in values and "nbest" not in values:
+        values["nbest"] = min(decode.nbest, values["beam"])
+    for key in ("max_len_a", "max_len_b"):  # no output is longer than the positions anyway
+        if key in values:
+            values[key] = min(values[key], positions)
+    if 0 < values.get("temperature", 1.0) < 0.01:
+        raise HTTPError(422, "temperature: must be at least 0.01")
+    try:
+        return replace(decode, **values)
+    except MtcliError as e:
+        raise HTTPError(422, str(e).removeprefix("decode.")) from None

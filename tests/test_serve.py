@@ -1,0 +1,358 @@
+"""`mtcli serve`: cutting text and joining translations, then a real server (a subprocess on 127.0.0.1) on the toy
+model: LibreTranslate's request and response shapes, the native route, equality with `mtcli translate`, long
+inputs, hostile bodies, metrics; and the faults: 256 clients against a small queue, API keys, SIGTERM under load."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import invoke
+
+from mtcli.segment import join, split_html, split_long, split_text
+from mtcli.tokenizer import Tokenizer
+from mtcli.toy import toy_pairs
+
+LIBRE = {"source": "en", "target": "zh", "format": "text"}
+SENTENCES = [en for en, _ in toy_pairs()["test"][:40]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Cutting and joining (no model)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "I love apples. Do you like tea?  She does!\n\nTom eats fish.\r\n",
+        "  leading and trailing spaces  ",
+        "😀 42. I love apples 😀",
+        "no punctuation at all",
+        "",
+    ],
+)
+def test_text_is_cut_into_sentences_and_joins_back_to_itself(text):
+    segments = split_text(text, "en")
+    assert join(segments, segments.pieces, "en") == text
+    assert all(p == p.strip() and p for p in segments.pieces)
+
+
+def test_sentences_lines_and_letterless_runs():
+    segments = split_text("I love apples. Do you like tea?\nTom eats fish. 😀", "en")
+    assert segments.pieces == ["I love apples.", "Do you like tea?", "Tom eats fish."]
+    assert join(segments, ["A", "B", "C"], "en") == "A B\nC 😀"
+    assert join(segments, ["甲", "乙", "丙"], "zh") == "甲乙\n丙 😀"  # no spaces between Chinese sentences
+
+
+def test_html_keeps_markup_and_escapes_translations():
+    source = '<p class="x">I love apples. Tom &amp; me.</p><pre>a < b</pre><script>if (a < b) {}</script><br/>Hi'
+    segments = split_html(source, "en")
+    assert segments.pieces == ["I love apples.", "Tom & me.", "Hi"]
+    assert join(segments, segments.pieces, "en") == source.replace("a < b</pre>", "a &lt; b</pre>")
+    out = join(segments, ["<1>", "2 & 3", "4"], "en")
+    assert out.startswith('<p class="x">&lt;1&gt; 2 &amp; 3</p><pre>') and out.endswith("<br/>4")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A server in a subprocess
+
+
+class Server:
+    """`mtcli serve` on 127.0.0.1 at a free port (read from its start line); stop() sends SIGTERM."""
+
+    def __init__(self, run: Path, *args: str):
+        command = [sys.executable, "-m", "mtcli", "serve", "--run", str(run), "--port", "0", *args]
+        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=run.parent)
+        self.log: list[str] = []
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while True:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
+            assert line is not None, f"mtcli serve exited: {''.join(self.log)}"
+            if match := re.search(r"at http://127\.0\.0\.1:(\d+)/", line):
+                self.port = int(match[1])
+                break
+        self.responses = 0  # answers this test received (compared with the server's own count at exit)
+
+    def _read(self, lines: queue.Queue) -> None:
+        for line in self.proc.stderr:
+            self.log.append(line)
+            lines.put(line)
+        lines.put(None)
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
+        """(status, headers, parsed JSON or text); `body` as bytes goes as it is, anything else as JSON."""
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+            connection.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
+            response = connection.getresponse()
+            raw = response.read()
+        finally:
+            connection.close()
+        self.responses += 1
+        kind = response.getheader("Content-Type", "")
+        return response.status, dict(response.getheaders()), json.loads(raw) if "json" in kind else raw.decode()
+
+    def post(self, path: str, body, **kwargs):
+        return self.request("POST", path, body, **kwargs)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def answered(self) -> tuple[int, int]:
+        """The server's own count at exit: (answered, accepted)."""
+        match = re.search(r"answered (\d+) of (\d+) accepted", "".join(self.log))
+        assert match, "".join(self.log)
+        return int(match[1]), int(match[2])
+
+
+def assert_error(answer, status: int, *words: str):
+    code, headers, body = answer
+    assert code == status, (code, body)
+    assert isinstance(body, dict) and set(body) == {"error"} and "\n" not in body["error"], body
+    assert "Traceback" not in body["error"]
+    for word in words:
+        assert word in body["error"], body
+    return headers
+
+
+@pytest.fixture(scope="module")
+def server(toy_run):
+    limits = ["--max-body-bytes", "65536", "--max-sentences", "64", "--max-chars", "3000", "--max-beam", "8"]
+    srv = Server(toy_run, *limits)
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def cli_translations(toy_run, tmp_path_factory):
+    """`mtcli translate --input` on SENTENCES, at beam 4 (the run's) and beam 1."""
+    source = tmp_path_factory.mktemp("cli") / "test.en"
+    source.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
+    beam4 = invoke("translate", "--run", toy_run, "--input", source).stdout.splitlines()
+    beam1 = invoke("translate", "--run", toy_run, "--input", source, "--beam", "1").stdout.splitlines()
+    return beam4, beam1
+
+
+@pytest.mark.slow
+def test_translations_equal_mtcli_translate(server, cli_translations):
+    beam4, beam1 = cli_translations
+    assert server.post("/translate", {"q": SENTENCES, **LIBRE})[2]["translatedText"] == beam4
+    native = server.post("/v1/translate", {"texts": SENTENCES, "beam": 1, "split_sentences": False})[2]
+    assert [t["text"] for t in native["translations"]] == beam1
+    sentences = [s if s.endswith(("?", ".")) else s + "." for s in SENTENCES[:6]]
+    one_by_one = server.post("/translate", {"q": sentences, **LIBRE})[2]["translatedText"]
+    paragraph = server.post("/translate", {"q": " ".join(sentences), **LIBRE})[2]["translatedText"]
+    assert paragraph == "".join(one_by_one)  # cut into the same sentences; Chinese joins them without spaces
+
+
+@pytest.mark.slow
+def test_libretranslate_request_and_response_shapes(server):
+    """The shapes of LibreTranslate's published API and its tests; Mastodon sends lists, format html and auto."""
+    one = server.post("/translate", {"q": "I love apples", **LIBRE})
+    assert one[0] == 200 and one[2] == {"translatedText": "我喜欢苹果"}
+    form = server.post(
+        "/translate",
+        b"q=I+love+apples&source=en&target=zh",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    )
+    assert form[2] == {"translatedText": "我喜欢苹果"}
+    mastodon = {"q": ["<p>I love apples</p>", "<p>😀</p>"], "source": "auto", "target": "zh", "format": "html"}
+    answer = server.post("/translate", {**mastodon, "api_key": None})[2]
+    assert answer["translatedText"] == ["<p>我喜欢苹果</p>", "<p>😀</p>"]
+    assert answer["detectedLanguage"] == [{"confidence": 100.0, "language": "en"}] * 2
+    alternatives = server.post("/translate", {"q": "I love apples", **LIBRE, "alternatives": 2})[2]
+    assert alternatives["translatedText"] == "我喜欢苹果" and len(alternatives["alternatives"]) == 2
+    batch = server.post("/translate", {"q": ["I love apples", "Do you like tea?"], **LIBRE, "alternatives": 2})[2]
+    assert len(batch["alternatives"]) == 2 and all(len(a) == 2 for a in batch["alternatives"])
+    assert server.request("GET", "/languages")[2] == [{"code": "en", "name": "English", "targets": ["zh"]}]
+    assert_error(server.post("/translate", {"q": "Hello", "source": "en", "target": "zz"}), 400, "zz is not supported")
+    assert_error(server.post("/translate", {"q": "Hello", "source": "de", "target": "zh"}), 400, "de is not supported")
+    assert_error(server.post("/translate", {"source": "en", "target": "zh"}), 400, "missing q")
+    assert_error(server.post("/translate", {"q": [], **LIBRE}), 400, "missing q")
+    assert_error(
+        server.post("/translate", {"q": "Hello", **LIBRE, "format": "xml"}), 400, "xml format is not supported"
+    )
+    assert_error(server.post("/translate", {"q": "Hi", **LIBRE, "alternatives": "abc"}), 400, "not a number")
+    assert_error(server.post("/translate", ["not", "a", "dict"]), 400, "must be an object")
+    assert_error(server.post("/translate", {"q": "Hi", **LIBRE, "alternatives": 8}), 422, "limit of 7")
+    assert_error(server.request("POST", "/health"), 405)
+    assert_error(server.request("GET", "/nowhere"), 404, "/nowhere")
+
+
+@pytest.mark.slow
+def test_native_route_takes_decode_settings_and_returns_scores(server):
+    body = {"texts": ["I love apples", "Do you like tea? Tom eats fish."], "beam": 5, "nbest": 3, "lenpen": 1.0}
+    status, _, answer = server.post("/v1/translate", body)
+    assert status == 200 and answer["decode"]["beam"] == 5 and answer["decode"]["lenpen"] == 1.0
+    first = answer["translations"][0]
+    assert first["text"] == "我喜欢苹果" and len(first["nbest"]) == 3 and first["nbest"][0]["text"] == first["text"]
+    scores = [h["score"] for h in first["nbest"]]
+    assert scores == sorted(scores, reverse=True) and all(h["log_prob"] < 0 for h in first["nbest"])
+    sampled = server.post("/v1/translate", {"texts": ["I love apples"] * 3, "sampling": True, "top_k": 5})
+    assert sampled[0] == 200 and len(sampled[2]["translations"]) == 3
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "beem": 5}), 422, "unknown field(s) beem")
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "beam": 9}), 422, "limit of 8")
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "beam": "5"}), 400, "beam: expected an integer")
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "beam": True}), 400, "beam: expected an integer")
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "beam": 2, "nbest": 3}), 422, "nbest")
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "lenpen": -1}), 422, "lenpen")
+    assert_error(server.post("/v1/translate", {"texts": "x", "format": "html", "split_sentences": False}), 422)
+
+
+@pytest.mark.slow
+def test_long_input_is_split_not_truncated(server, toy_run):
+    long_line = " ".join(["I love apples and she likes tea"] * 30)  # over the 127 subwords the toy model takes
+    pieces = split_long(Tokenizer.from_folder(toy_run), long_line, 127)
+    assert len(pieces) > 1 and " ".join(pieces) == long_line  # cut between words
+    assert all(len(Tokenizer.from_folder(toy_run).encode_src([p])[0]) <= 127 for p in pieces)
+    served = server.post("/v1/translate", {"texts": [long_line], "split_sentences": False})[2]
+    each = server.post("/v1/translate", {"texts": pieces, "split_sentences": False})[2]
+    assert served["translations"][0]["text"] == "".join(t["text"] for t in each["translations"])
+    split = invoke("translate", "--run", toy_run, "--split-long", long_line)
+    assert split.stdout.strip() == served["translations"][0]["text"] and "truncated" not in split.stderr
+    assert "truncated" in invoke("translate", "--run", toy_run, long_line).stderr
+
+
+@pytest.mark.slow
+def test_hostile_bodies_get_a_4xx_and_the_server_carries_on(server):
+    ten_mb = b'{"q": "' + b"a" * (10 << 20) + b'"}'
+    assert_error(server.post("/translate", ten_mb), 413, "65,536 bytes", "--max-body-bytes")
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)  # chunked, no Content-Length
+    connection.request("POST", "/translate", iter([b'{"q": "', b"a" * 100_000, b'"}']), encode_chunked=True)
+    assert connection.getresponse().status == 413
+    connection.close()
+    assert_error(server.post("/translate", b"[" * 30_000 + b"]" * 30_000), 400, "nested too deeply")
+    assert_error(server.post("/translate", b'{"q": "a\x00b"}'), 400, "not valid JSON")
+    assert_error(server.post("/translate", {"q": "a\x00b", **LIBRE}), 400, "NUL")
+    assert_error(server.post("/translate", b'{"q": "\xff\xfe"}'), 400, "not UTF-8", "0xff")
+    assert_error(server.post("/translate", b""), 400, "empty")
+    assert_error(server.post("/translate", b"{'q': 1}"), 400, "not valid JSON")
+    for q in (5, [1, 2], {"a": 1}, True):
+        assert_error(server.post("/translate", {"q": q, **LIBRE}), 400, "expected a string or a list of strings")
+    assert_error(server.post("/translate", {"q": "x" * 3001, **LIBRE}), 413, "3,000", "--max-chars")
+    assert_error(server.post("/translate", {"q": ["Hi."] * 65, **LIBRE}), 413, "65 texts", "--max-sentences")
+    assert_error(server.post("/translate", {"q": "Hi. " * 65, **LIBRE}), 413, "65 sentences", "--max-sentences")
+    multipart = {"Content-Type": "multipart/form-data; boundary=x"}
+    assert_error(server.post("/translate", b"--x--", headers=multipart), 400, "multipart")
+    disconnecting = http.client.HTTPConnection("127.0.0.1", server.port)  # a client that leaves mid-request
+    disconnecting.request("POST", "/translate", json.dumps({"q": SENTENCES, **LIBRE}).encode())
+    disconnecting.close()
+    assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
+
+
+@pytest.mark.slow
+def test_health_metrics_and_page(server):
+    server.post("/translate", {"q": ["I love apples", "Do you like tea?"], **LIBRE})
+    health = server.request("GET", "/health")[2]
+    assert health["status"] == "ok" and health["model"]["source"] == "en" and health["queue"]["limit"] == 4096
+    status, headers, metrics = server.request("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    assert re.search(r'^mtcli_requests_total\{route="/translate",status="200"\} \d+$', metrics, re.M)
+    assert re.search(r'^mtcli_request_seconds_bucket\{route="/translate",le="\+Inf"\} \d+$', metrics, re.M)
+    assert int(re.search(r"^mtcli_sentences_total (\d+)$", metrics, re.M)[1]) >= 2
+    assert re.search(r"^mtcli_queue_sentences 0$", metrics, re.M)
+    status, headers, page = server.request("GET", "/")
+    assert status == 200 and "<textarea" in page and not re.search(r"(src|href)=\"(https?:)?//", page)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Faults: a small queue, API keys, SIGTERM under load
+
+
+def burst(srv: Server, count: int, body_of) -> list:
+    """`count` requests at once, each from its own thread: [(status, headers, body) or the exception]."""
+    results: list = [None] * count
+    start = threading.Barrier(count)
+
+    def client(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = srv.post("/translate", body_of(i), timeout=120)
+        except (OSError, http.client.HTTPException) as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def rss_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) / 1024
+
+
+@pytest.mark.slow
+def test_overload_keys_and_sigterm_drain(toy_run, tmp_path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# one per line\nsecret-1\nsecret-2\n")
+    srv = Server(toy_run, "--queue-size", "8", "--max-sentences", "8", "--api-keys", str(keys), "--precision", "fp32")
+    try:
+        assert_error(srv.post("/translate", {"q": "I love apples", **LIBRE}), 401, "API key")
+        assert_error(srv.post("/translate", {"q": "Hi", **LIBRE, "api_key": "secret-3"}), 401, "API key")
+        bearer = {"Authorization": "Bearer secret-2"}
+        assert srv.post("/v1/translate", {"texts": ["I love apples"]}, headers=bearer)[0] == 200
+        expected = []  # in requests of 8 sentences, the most this server takes at once
+        for start in range(0, len(SENTENCES), 8):
+            body = {"q": SENTENCES[start : start + 8], **LIBRE, "api_key": "secret-1"}
+            expected += srv.post("/translate", body)[2]["translatedText"]
+
+        # 256 clients at once against a queue of 8 sentences: some are turned away, none is answered wrong
+        before = rss_mb(srv.proc.pid)
+        results = burst(srv, 256, lambda i: {"q": SENTENCES[i % 40], **LIBRE, "api_key": "secret-1"})
+        statuses = [r[0] for r in results if isinstance(r, tuple)]
+        assert len(statuses) == 256, [r for r in results if not isinstance(r, tuple)][:3]
+        assert statuses.count(503) > 0 and statuses.count(200) > 0 and set(statuses) == {200, 503}
+        for i, (status, headers, body) in enumerate(results):
+            if status == 200:
+                assert body["translatedText"] == expected[i % 40], i
+            else:
+                assert int(headers["retry-after"]) >= 1 and "--queue-size 8" in body["error"]
+        assert srv.proc.poll() is None and rss_mb(srv.proc.pid) - before < 200
+
+        # SIGTERM while 16 clients keep sending: every request the server took is answered, then it exits 0
+        answers: list = []  # (client, answer, whether SIGTERM had been sent when it came)
+        stop_sent = threading.Event()
+
+        def client(i: int) -> None:
+            while True:
+                try:
+                    answer = srv.post("/translate", {"q": SENTENCES[i], **LIBRE, "api_key": "secret-1"}, timeout=60)
+                except (OSError, http.client.HTTPException):  # refused or reset: the server stopped accepting
+                    assert stop_sent.is_set()
+                    return
+                answers.append((i, answer, stop_sent.is_set()))
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        while len(answers) < 40:
+            time.sleep(0.01)
+        stop_sent.set()
+        srv.proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=90)
+        assert srv.proc.wait(timeout=60) == 0
+    finally:
+        srv.stop()
+    for i, (status, _, body), _ in answers:
+        assert status == 503 or body["translatedText"] == expected[i], (status, body)
+    assert any(status == 200 and after for _, (status, _, _), after in answers)  # in flight at SIGTERM, answered
+    answered, accepted = srv.answered()
+    assert answered == accepted == srv.responses, (answered, accepted, srv.responses)
