@@ -80,8 +80,19 @@ class ServerProcess:
         self.proc.wait(timeout=120)
 
 
+def batch_counts(port: int) -> tuple[int, int]:
+    """(sentences, batches) the server's model worker has translated so far, from /metrics."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    connection.request("GET", "/metrics")
+    text = connection.getresponse().read().decode()
+    connection.close()
+    sentences = int(re.search(r"^mtcli_sentences_total (\d+)$", text, re.M)[1])
+    return sentences, int(re.search(r"^mtcli_batches_total (\d+)$", text, re.M)[1])
+
+
 def clients_round(port: int, sentences: list[str], clients: int, target: str) -> dict:
     """`clients` threads, each with a keep-alive connection, send one sentence per request until none is left."""
+    done_before = batch_counts(port)
     latencies: list[float] = []
     errors: list[str] = []
     outputs: list[str | None] = [None] * len(sentences)
@@ -119,6 +130,7 @@ def clients_round(port: int, sentences: list[str], clients: int, target: str) ->
     if errors:
         sys.exit(f"bench-serve: {len(errors)} request(s) failed, e.g. {errors[0]}")
     q = statistics.quantiles(latencies, n=100, method="inclusive")
+    done = [after - before for after, before in zip(batch_counts(port), done_before)]
     return {
         "clients": clients,
         "sentences": len(sentences),
@@ -126,6 +138,7 @@ def clients_round(port: int, sentences: list[str], clients: int, target: str) ->
         "p50_ms": q[49] * 1000,
         "p95_ms": q[94] * 1000,
         "p99_ms": q[98] * 1000,
+        "sentences_per_batch": done[0] / max(done[1], 1),
         "outputs": outputs,
     }
 
@@ -204,13 +217,13 @@ def report(r: dict) -> None:
         f"offline mtcli translate --input: {offline_rate:.1f} sentences/s (command {r['offline']['wall_s']:.1f} s, "
         f"of which start-up {r['offline']['startup_s']:.1f} s); model alone, one sentence: median {model_ms:.1f} ms"
     )
-    print(
-        f"{'clients':>7} {'sentences/s':>11} {'of offline':>10} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'differ':>6}"
-    )
+    head = f"{'clients':>7} {'sentences/s':>11} {'of offline':>10} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}"
+    print(f"{head} {'batch':>6} {'differ':>6}")
     for row in r["served"]:
         print(
             f"{row['clients']:>7} {row['sent_per_s']:>11.1f} {row['of_offline']:>10.0%} {row['p50_ms']:>8.1f} "
-            f"{row['p95_ms']:>8.1f} {row['p99_ms']:>8.1f} {row['differ_from_offline']:>6}"
+            f"{row['p95_ms']:>8.1f} {row['p99_ms']:>8.1f} {row['sentences_per_batch']:>6.1f} "
+            f"{row['differ_from_offline']:>6}"
         )
     one, many = r["served"][0], r["served"][-1]
     print(

@@ -314,7 +314,7 @@ def serve(
     device: str = DeviceOpt,
     api_keys: Path = typer.Option(None, "--api-keys", help="File of API keys, one per line (default: open access)."),
     queue_size: int = typer.Option(4096, "--queue-size", help="Sentences that may wait; more get 503 + Retry-After."),
-    max_wait_ms: float = typer.Option(10.0, "--max-wait-ms", help="Longest wait for requests to batch with."),
+    max_wait_ms: float = typer.Option(40.0, "--max-wait-ms", help="Longest wait for requests to batch with."),
     timeout: float = typer.Option(60.0, help="Seconds a request may take before it is answered 503."),
     max_body_bytes: int = typer.Option(1 << 20, "--max-body-bytes", help="Largest request body (413 above)."),
     max_sentences: int = typer.Option(512, "--max-sentences", help="Sentences per request (413 above)."),

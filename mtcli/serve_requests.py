@@ -45,7 +45,7 @@ class ServeLimits:
     max_chars: int = 20_000  # per text
     queue_size: int = 4096  # sentences waiting for the model
     timeout: float = 60.0  # seconds from a request's arrival to its answer
-    max_wait_ms: float = 10.0  # the longest the first request of a batch waits for others
+    max_wait_ms: float = 40.0  # the longest the first request of a batch waits for others
     max_beam: int = 16
     api_keys: frozenset[str] = frozenset()
 

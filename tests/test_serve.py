@@ -270,7 +270,17 @@ def test_health_metrics_and_page(server):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Faults: a small queue, API keys, SIGTERM under load
+# Faults: a timeout, a small queue, API keys, SIGTERM under load
+
+
+@pytest.mark.slow
+def test_a_request_over_its_time_gets_503_and_retry_after(toy_run):
+    srv = Server(toy_run, "--timeout", "0.001")  # no translation is that fast
+    try:
+        headers = assert_error(srv.post("/translate", {"q": SENTENCES, **LIBRE}), 503, "0.001 s (--timeout)")
+        assert int(headers["retry-after"]) >= 1 and srv.request("GET", "/health")[0] == 200
+    finally:
+        assert srv.stop() == 0
 
 
 def burst(srv: Server, count: int, body_of) -> list:
