@@ -322,11 +322,10 @@ def serve(
     max_beam: int = typer.Option(16, "--max-beam", help="Largest beam (and alternatives + 1) a request may ask."),
 ):
     """Serve a trained run over HTTP: POST /translate and GET /languages (LibreTranslate's API), POST /v1/translate
-    (every decode setting, scores, n-best), GET /health, /metrics and / (a page to try it). Needs: pip install
-    'mtcli[serve]'. SIGTERM or Ctrl-C stops accepting, answers every accepted request, then exits.
+    (every decode setting, scores, n-best), GET /health, /metrics and / (a page to try it). Needs the serve extra:
+    pip install 'mtcli\\[serve]'. SIGTERM or Ctrl-C stops accepting, answers every accepted request, then exits.
 
-    Example: mtcli serve --run runs/multi30k --port 5000   then   curl -d '{"q": "Hello", "target": "de"}'
-    -H 'Content-Type: application/json' localhost:5000/translate
+    Example: mtcli serve --run runs/multi30k --port 5000   then open http://127.0.0.1:5000/
     """
     from mtcli.checkpoint import read_config
     from mtcli.config import with_overrides

@@ -37,7 +37,7 @@ from mtcli.serve_requests import (
     text_format,
     typed,
 )
-from mtcli.serve_worker import Metrics, QueueFull, Worker
+from mtcli.serve_worker import Dropped, Metrics, QueueFull, Worker
 
 try:
     import sentencex  # noqa: F401 - mtcli.segment imports it where it cuts sentences
@@ -190,8 +190,10 @@ class Server:
         disconnected = gone.done()
         gone.cancel()
         if job.future.done():
-            if job.future.exception() is not None:
-                error = job.future.exception()
+            error = job.future.exception()
+            if isinstance(error, Dropped):
+                raise HTTPError(503, str(error), {"Retry-After": "5"})
+            if error is not None:
                 raise HTTPError(500, f"translation failed ({type(error).__name__}: {error})")
             return job.future.result()
         job.cancelled = True  # the worker skips it if its batch has not started
@@ -288,7 +290,8 @@ def serve(translator, decode: DecodeConfig, limits: ServeLimits, host: str = "12
             server.worker.stop()  # after the drain: the model loop ends once the queue is empty
 
     def stop(signum, frame) -> None:
-        http.force_exit = http.should_exit  # a second signal: stop without waiting for requests
+        if http.should_exit:  # a second signal: queued requests are answered 503 instead of translated
+            server.worker.dropping = True
         http.should_exit = True  # stop accepting, answer what was accepted, then end
 
     signal.signal(signal.SIGTERM, stop)

@@ -34,6 +34,10 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
+class Dropped(Exception):
+    """A queued request not translated because the server is stopping at once (a second stop signal)."""
+
+
 @dataclass(eq=False)
 class Job:
     """One request's sentences; its future is resolved on the event loop that made it."""
@@ -46,7 +50,10 @@ class Job:
     cancelled: bool = False  # set by the request handler when its client is gone: skipped if not started
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
-        self.loop.call_soon_threadsafe(self._resolve, result, error)
+        try:
+            self.loop.call_soon_threadsafe(self._resolve, result, error)
+        except RuntimeError:  # the event loop has ended (HTTP stopped without waiting): nobody to answer
+            pass
 
     def _resolve(self, result, error) -> None:
         if self.future.done():  # the handler stopped waiting (timeout or disconnect)
@@ -129,6 +136,7 @@ class Worker:
         self.lock = threading.Lock()
         self.queued = 0  # sentences submitted and not yet taken into a batch
         self.rate = 0.0  # sentences per second of recent batches (a moving average), for Retry-After
+        self.dropping = False  # set by a second stop signal: queued requests are answered Dropped
 
     def stop(self) -> None:
         """run() returns once what is queued now is translated."""
@@ -184,7 +192,9 @@ class Worker:
     def _translate(self, jobs: list[Job]) -> None:
         groups: dict[DecodeConfig, list[Job]] = {}
         for job in jobs:
-            if not job.cancelled:
+            if self.dropping:
+                job.finish(error=Dropped("the server is stopping; this request was not translated"))
+            elif not job.cancelled:
                 groups.setdefault(job.decode, []).append(job)
         for decode, group in groups.items():
             sentences = [s for job in group for s in job.sentences]
