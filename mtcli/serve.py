@@ -57,6 +57,8 @@ LANGUAGE_NAMES = {
 
 
 class Server:
+    """The routes, over one Translator and its model worker."""
+
     def __init__(self, translator, decode: DecodeConfig, limits: ServeLimits):
         translator.split_long = True  # a sentence longer than the positions is cut and translated whole
         self.translator, self.decode, self.limits = translator, decode, limits
@@ -149,10 +151,7 @@ class Server:
         return JSONResponse({"translations": translations, "source": self.src, "target": self.tgt, "decode": settings})
 
     # -----------------------------------------------------------------------------------------------------------------
-    # Reading and checking a request
-
-    # -----------------------------------------------------------------------------------------------------------------
-    # Translating
+    # Reading and translating
 
     async def read_checked(self, request: Request) -> dict:
         """The request's fields, once its body is read and its API key (where keys are configured) checked."""

@@ -63,7 +63,10 @@ class ServeLimits:
         if self.max_wait_ms < 0:
             raise MtcliError(f"--max-wait-ms must be >= 0, not {self.max_wait_ms}")
         if self.max_sentences > self.queue_size:
-            raise MtcliError(f"--max-sentences ({self.max_sentences}) cannot exceed --queue-size ({self.queue_size})")
+            raise MtcliError(
+                f"--max-sentences ({self.max_sentences}) cannot exceed --queue-size ({self.queue_size}): such a "
+                "request could never be queued; lower --max-sentences too"
+            )
 
 
 def read_api_keys(path: Path | None) -> frozenset[str]:
