@@ -43,13 +43,14 @@ from flops import FORMULA, training_flops  # noqa: E402
 
 from mtcli.batching import collate, epoch_batches, padding_counts  # noqa: E402
 from mtcli.checkpoint import last_checkpoint  # noqa: E402
-from mtcli.config import ModelConfig, load_config  # noqa: E402
+from mtcli.config import ModelConfig  # noqa: E402
+from mtcli.config_loader import load_config  # noqa: E402
 from mtcli.data import eval_texts, prepare  # noqa: E402
 from mtcli.device import DTYPES, choose_precision, cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
 from mtcli.evaluate import score  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
-from mtcli.train import Trainer, train_step  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
+from mtcli.update import Trainer, train_step  # noqa: E402
 
 CONFIG = ROOT / "benchmarks" / "bench.yaml"
 CACHE = ROOT / "benchmarks" / "cache"

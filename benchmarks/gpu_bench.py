@@ -29,7 +29,7 @@ from mtcli.batching import collate, epoch_batches  # noqa: E402
 from mtcli.config import ModelConfig, TrainConfig  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
 from mtcli.search import beam_search, max_output_lengths  # noqa: E402
-from mtcli.train import Trainer, train_step  # noqa: E402
+from mtcli.update import Trainer, train_step  # noqa: E402
 
 
 def sync(device):

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mtcli.config import Config
+from mtcli.errors import MtcliError
+from mtcli.log import logger
 from mtcli.tokenizer import BOS, EOS, PAD
 
 
@@ -163,3 +166,41 @@ def collate(srcs: Sequence[Sequence[int]], tgts: Sequence[Sequence[int]] | None 
     return Batch(
         src_t, src_t == PAD, torch.from_numpy(tgt_in), torch.from_numpy(tgt_index), torch.from_numpy(flat[tgt_index])
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Training examples and micro-batches per update
+
+
+def length_limit(cfg: Config) -> int:
+    """The most tokens (with EOS/BOS) a training side may have: the model's positions and the batch budget."""
+    return min(cfg.model.max_positions, cfg.train.max_tokens)
+
+
+def usable_examples(split, cfg: Config) -> np.ndarray:
+    """Training examples that fit the model's positions and the batch budget (the rest are left out, with a note)."""
+    limit = length_limit(cfg)
+    ok = (split.src_lens <= limit) & (split.tgt_lens <= limit)
+    left_out = int((~ok).sum())
+    if left_out:
+        logger.warning(
+            f"note: {left_out} training pairs longer than {limit} tokens (model.max_positions or "
+            "train.max_tokens) are left out"
+        )
+    if not ok.any():
+        shortest = int(np.maximum(split.src_lens, split.tgt_lens).min())
+        raise MtcliError(
+            f"no training pair fits: the shortest needs {shortest} tokens (with EOS/BOS), but train.max_tokens is "
+            f"{cfg.train.max_tokens} and model.max_positions {cfg.model.max_positions}; raise the smaller one"
+        )
+    return np.flatnonzero(ok)
+
+
+def accumulation_steps(split, usable: np.ndarray, cfg: Config, world: int) -> int:
+    """Micro-batches per update and process to reach train.tokens_per_update target tokens (1 when it is 0)."""
+    tc = cfg.train
+    if not tc.tokens_per_update:
+        return 1
+    batches = epoch_batches(split.src_lens[usable], split.tgt_lens[usable], tc.max_tokens, tc.seed, 0)
+    per_batch = split.tgt_lens[usable].sum() / len(batches)
+    return max(1, round(tc.tokens_per_update / (per_batch * world)))

@@ -7,19 +7,17 @@ A checkpoint is a folder `<run>/checkpoints/update_<N>/` holding
   (`TrainState`), loadable with `torch.load(weights_only=True)`;
 - the SentencePiece model(s), so the folder translates on its own.
 Each folder is written under a temporary name and renamed into place, so a kill at any moment leaves every earlier
-checkpoint loadable. The newest `update_*` folder is `last`; `best.json` names the best one. The run lock lives
-here too, because it guards the same folder; that and averaging take the module a little over 400 lines.
+checkpoint loadable. The newest `update_*` folder is `last`; `best.json` names the best one. The run directory's
+lock is in rundir.py, averaging in average.py.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import random
 import re
 import shutil
-import socket
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +28,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model as save_safetensors
 
-from mtcli.config import Config, config_from_dict
+from mtcli.config import Config
+from mtcli.config_loader import config_from_dict
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.model import Transformer
@@ -157,35 +156,6 @@ def _write_error(final: Path, error: OSError, model, with_state: bool) -> str:
     )
 
 
-class RunLock:
-    """An exclusive lock on a run directory while one training process writes it, so a second `mtcli train` on the
-    same directory is refused instead of interleaving checkpoints. The kernel releases it when the process ends,
-    however it ends, so a killed run never leaves a stale lock; the file names the holder for the error message."""
-
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / ".lock"
-        self.file = open(self.path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.file.seek(0)
-            holder = self.file.read().strip() or "another process"
-            self.file.close()
-            raise MtcliError(
-                f"{run_dir} is being trained by {holder} (lock file {self.path}); wait for it to finish, or "
-                "choose another --run-dir"
-            ) from None
-        self.file.seek(0)
-        self.file.truncate()
-        self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
-        self.file.flush()
-
-    def release(self) -> None:
-        if not self.file.closed:
-            fcntl.flock(self.file, fcntl.LOCK_UN)
-            self.file.close()
-
-
 def remove_temporary(run_dir: Path) -> None:
     """Remove what a killed save left behind (folders under a temporary name are never loaded)."""
     folder = checkpoint_dir(run_dir)
@@ -203,7 +173,7 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
 
 
 def read_metadata(path: Path) -> dict[str, str]:
-    model_file = _model_file(path)
+    model_file = checkpoint_file(path)
     try:
         with safe_open(str(model_file), framework="pt") as f:
             return f.metadata() or {}
@@ -211,18 +181,23 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
 
 
+def checkpoint_config(meta: dict[str, str]) -> Config:
+    """The resolved config in a checkpoint's metadata."""
+    return config_from_dict(json.loads(meta["config"]), source="checkpoint metadata")
+
+
 def read_config(path: Path) -> Config:
     """The resolved config a checkpoint was trained with (from its metadata; the weights are not read)."""
     try:
-        return config_from_dict(json.loads(read_metadata(path)["config"]), source="checkpoint metadata")
+        return checkpoint_config(read_metadata(path))
     except (KeyError, ValueError) as e:
         raise MtcliError(
-            f"{_model_file(path)}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})"
+            f"{checkpoint_file(path)}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})"
         ) from None
 
 
 def build_model(meta: dict[str, str]) -> tuple[Transformer, Config]:
-    config = config_from_dict(json.loads(meta["config"]), source="checkpoint metadata")
+    config = checkpoint_config(meta)
     model = Transformer(
         config.model, int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"]), meta.get("joint_vocab") == "True"
     )
@@ -231,7 +206,7 @@ def build_model(meta: dict[str, str]) -> tuple[Transformer, Config]:
 
 def load_weights(model: Transformer, path: Path) -> None:
     """Load a checkpoint's weights into `model` in place; a file that does not fit it is a one-line error."""
-    model_file = _model_file(path)
+    model_file = checkpoint_file(path)
     try:
         missing, unexpected = load_safetensors_into(model, str(model_file), strict=False)
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
@@ -245,7 +220,7 @@ def load_weights(model: Transformer, path: Path) -> None:
 
 def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transformer, Config, Tokenizer]:
     """A checkpoint folder (or its model.safetensors) -> model in eval mode, its config and its tokenizer."""
-    model_file = _model_file(path)
+    model_file = checkpoint_file(path)
     try:
         model, config = build_model(read_metadata(model_file))
     except (KeyError, ValueError) as e:
@@ -276,71 +251,13 @@ def load_state(path: Path) -> dict:
         ) from None
 
 
-def _model_file(path: Path) -> Path:
+def checkpoint_file(path: Path) -> Path:
+    """A checkpoint folder's model.safetensors (or the file itself); a one-line error when there is none."""
     path = Path(path)
     model_file = path / "model.safetensors" if path.is_dir() else path
     if not model_file.is_file():
         raise MtcliError(f"no checkpoint at {path} (expected a checkpoint folder or its model.safetensors)")
     return model_file
-
-
-def average_last(run_dir: Path, last: int, out: Path | None = None) -> Path:
-    """Average a run's last `last` numbered checkpoints into `out` (default <run>/checkpoints/average_last<N>)."""
-    found = list_checkpoints(run_dir)
-    if last < 1:
-        raise MtcliError(f"--last {last}: average at least 1 checkpoint")
-    if len(found) < last:
-        raise MtcliError(
-            f"{run_dir} has {len(found)} checkpoint(s), fewer than --last {last}; raise train.keep_last to keep more"
-        )
-    out = Path(out) if out else checkpoint_dir(run_dir) / f"average_last{last}"
-    average_checkpoints(found[-last:], out)
-    logger.info(f"averaged {', '.join(p.name for p in found[-last:])}")
-    return out
-
-
-def average_checkpoints(paths: list[Path], out: Path) -> Path:
-    """Average the weights of `paths` (as the paper does for its final models) into checkpoint folder `out`."""
-    from safetensors.torch import load_file, save_file
-
-    if not paths:
-        raise MtcliError("no checkpoints to average")
-    metas = [read_metadata(p) for p in paths]
-    reference = json.loads(metas[0]["config"])
-    total: dict[str, torch.Tensor] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    for path, meta in zip(paths, metas):
-        config = json.loads(meta["config"])
-        same = config["model"] == reference["model"] and all(
-            meta.get(k) == metas[0].get(k) for k in ("src_vocab_size", "tgt_vocab_size", "joint_vocab")
-        )
-        if not same:
-            raise MtcliError(f"cannot average {path} with {paths[0]}: different architectures or vocabularies")
-        weights = load_file(str(_model_file(path)))
-        if total and set(weights) != set(total):
-            raise MtcliError(f"cannot average {path} with {paths[0]}: different weights")
-        for name, tensor in weights.items():
-            if name in total and total[name].shape != tensor.shape:
-                raise MtcliError(
-                    f"cannot average {path} with {paths[0]}: `{name}` has shape "
-                    f"{tuple(tensor.shape)}, not {tuple(total[name].shape)}"
-                )
-            total[name] = total[name] + tensor.double() if name in total else tensor.double()
-            dtypes[name] = tensor.dtype
-    averaged = {name: (t / len(paths)).to(dtypes[name]).contiguous() for name, t in total.items()}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        metadata = dict(metas[-1])
-        metadata["averaged"] = json.dumps([p.name for p in paths])
-        save_file(averaged, str(tmp / "model.safetensors"), metadata=metadata)
-        Tokenizer.from_folder(_model_file(paths[-1]).parent).copy_to(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from mtcli import __version__
-from mtcli.config import shipped_config_names
+from mtcli.config_loader import shipped_config_names
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 
@@ -81,7 +81,7 @@ def data_prepare(
     Example: mtcli data prepare --config multi30k.yaml --set data.path=../shared/data/multi30k
     """
     from mtcli.batching import describe_batches
-    from mtcli.config import load_config
+    from mtcli.config_loader import load_config
     from mtcli.data import prepare
 
     cfg = load_config(config, overrides or [])
@@ -99,7 +99,7 @@ def train(
 
     Example: mtcli train --config toy.yaml   (multi-GPU: torchrun --nproc_per_node 8 -m mtcli train --config base.yaml)
     """
-    from mtcli.config import load_config
+    from mtcli.config_loader import load_config
     from mtcli.train import train as run_training
 
     cfg = load_config(config, overrides or [])
@@ -144,7 +144,7 @@ def translate(
     Example: mtcli translate "I love apples"   |   mtcli translate --input news.en --output news.zh --beam 5
     """
     from mtcli.checkpoint import read_config
-    from mtcli.config import with_overrides
+    from mtcli.config_loader import with_overrides
     from mtcli.corpus import read_lines
     from mtcli.translate import (
         Translator,
@@ -207,7 +207,7 @@ def evaluate(
     Example: mtcli eval --run runs/multi30k --split test --beam 5
     """
     from mtcli.checkpoint import run_of
-    from mtcli.config import with_overrides
+    from mtcli.config_loader import with_overrides
     from mtcli.evaluate import eval_config, evaluation_set
     from mtcli.evaluate import evaluate as run_eval
     from mtcli.translate import Translator, decode_settings, resolve_checkpoint
@@ -247,7 +247,7 @@ def average(
 
     Example: mtcli average --run runs/base --last 5   then   mtcli eval --checkpoint runs/base/checkpoints/average_last5
     """
-    from mtcli.checkpoint import average_last
+    from mtcli.average import average_last
 
     print(average_last(run, last, output))
 
@@ -328,7 +328,7 @@ def serve(
     Example: mtcli serve --run runs/multi30k --port 5000   then open http://127.0.0.1:5000/
     """
     from mtcli.checkpoint import read_config
-    from mtcli.config import with_overrides
+    from mtcli.config_loader import with_overrides
     from mtcli.serve import serve as run_server  # first: it says which extra to install when one is missing
     from mtcli.serve_requests import ServeLimits, read_api_keys
     from mtcli.translate import Translator, decode_settings, resolve_checkpoint

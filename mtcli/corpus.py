@@ -12,19 +12,16 @@ import codecs
 import contextlib
 import hashlib
 import json
-import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from mtcli.config import DataConfig
 from mtcli.errors import MtcliError
+from mtcli.hub import hub_offline, require_hub
 
 ROLES = ("train", "valid", "test")
-HUB_PROBE_TIMEOUT_S = 8.0
 
 
 @dataclass
@@ -236,8 +233,12 @@ def _open_hub(cfg: DataConfig, names: dict[str, str]) -> dict[str, SplitSource]:
 
     name = cfg.dataset
     local_folder = Path(name).is_dir()
-    if not local_folder and os.environ.get("HF_HUB_OFFLINE", "0") in ("0", "", "false", "False"):
-        _probe_hub(name)
+    if not local_folder and not hub_offline():
+        require_hub(
+            f"`{name}`",
+            "Use local files instead: --set data.path=FOLDER (with train.<src_lang>/train.<tgt_lang>, train.tsv "
+            "or train.jsonl), or set HF_HUB_OFFLINE=1 to use a copy already in the datasets cache",
+        )
     datasets.utils.logging.set_verbosity_error()
     try:
         with _quiet_progress() if local_folder else contextlib.nullcontext():
@@ -258,21 +259,6 @@ def _open_hub(cfg: DataConfig, names: dict[str, str]) -> dict[str, SplitSource]:
             continue
         found[role] = _columns_source(cfg, role, split, dd[split], name)
     return found
-
-
-def _probe_hub(name: str) -> None:
-    """Fail fast, in one line, when the Hub is out of reach (the library alone retries for a minute or more)."""
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    url = urlparse(endpoint)
-    host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
-    except OSError as e:
-        raise MtcliError(
-            f"cannot reach the Hugging Face Hub at {host}:{port} to download `{name}` ({_one_line(e)}). "
-            "Use local files instead: --set data.path=FOLDER (with train.<src_lang>/train.<tgt_lang>, train.tsv "
-            "or train.jsonl), or set HF_HUB_OFFLINE=1 to use a copy already in the datasets cache"
-        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from sacrebleu.metrics import BLEU, CHRF
 
 from mtcli.batching import collate, epoch_batches
 from mtcli.checkpoint import read_config, run_of
-from mtcli.config import Config, DecodeConfig, load_config
+from mtcli.config import Config, DecodeConfig
+from mtcli.config_loader import load_config
 from mtcli.corpus import read_lines
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError

@@ -151,18 +151,7 @@ def beam_search(
         is_eos = (top_tokens == EOS) & torch.isfinite(top_scores)
         # (4) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
         penalty = length_penalty(step + 1, lenpen)
-        eos_rank_ok = torch.zeros_like(is_eos)
-        eos_rank_ok[:, :k] = True
-        new_finished = (is_eos & eos_rank_ok).nonzero().tolist()
-        if new_finished:
-            hist = history.tolist()
-            flat_scores = top_scores.tolist()
-            flat_beams = top_beams.tolist()
-            for i, j in new_finished:
-                sentence = int(sentences[i])
-                row = i * k + flat_beams[i][j]
-                lp = flat_scores[i][j]
-                finished[sentence].append(Hypothesis(hist[row], lp / penalty, lp))
+        _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, is_eos, k, penalty)
         # (5) The best k non-EOS candidates stay live.
         not_live = is_eos | ~torch.isfinite(top_scores)
         live_order = not_live.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]
@@ -171,17 +160,7 @@ def beam_search(
         live_tokens = top_tokens.gather(1, live_order)
         # (6) Which sentences are done: `wanted` finished, the worst of which no live hypothesis beats at its present
         # length.
-        best_live = live_scores[:, 0].tolist()
-        is_done = []
-        for i, sentence in enumerate(sentences.tolist()):
-            hyps = finished[sentence]
-            if len(hyps) >= wanted:
-                hyps.sort(key=lambda h: -h.score)
-                del hyps[wanted:]
-                is_done.append(best_live[i] / length_penalty(step + 1, lenpen) <= hyps[wanted - 1].score)
-            else:
-                is_done.append(best_live[i] == NEG_INF)  # no live candidates left (e.g. at the length limit)
-        done = torch.tensor(is_done, device=device)
+        done = torch.tensor(_sentences_done(finished, sentences, live_scores[:, 0], wanted, penalty), device=device)
         if done.all() or step == max_total:
             break
         # (7) Reorder the cache and history by back-pointers; sentences that are done leave the batch.
@@ -200,6 +179,35 @@ def beam_search(
     for hyps in finished:
         hyps.sort(key=lambda h: -h.score)
     return [hyps[:nbest] for hyps in finished]
+
+
+def _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, is_eos, k: int, penalty) -> None:
+    """Beam phase (4): the EOS candidates among a sentence's k best become finished hypotheses."""
+    eos_rank_ok = torch.zeros_like(is_eos)
+    eos_rank_ok[:, :k] = True
+    new_finished = (is_eos & eos_rank_ok).nonzero().tolist()
+    if not new_finished:
+        return
+    hist, flat_scores, flat_beams = history.tolist(), top_scores.tolist(), top_beams.tolist()
+    for i, j in new_finished:
+        row = i * k + flat_beams[i][j]
+        lp = flat_scores[i][j]
+        finished[int(sentences[i])].append(Hypothesis(hist[row], lp / penalty, lp))
+
+
+def _sentences_done(finished, sentences, best_live: torch.Tensor, wanted: int, penalty) -> list[bool]:
+    """Beam phase (6): a sentence is done with `wanted` finished hypotheses, the worst of which its best live one
+    cannot beat at the present length (its score can only fall), or with no live candidate left."""
+    is_done = []
+    for sentence, live in zip(sentences.tolist(), best_live.tolist()):
+        hyps = finished[sentence]
+        if len(hyps) >= wanted:
+            hyps.sort(key=lambda h: -h.score)
+            del hyps[wanted:]
+            is_done.append(live / penalty <= hyps[wanted - 1].score)
+        else:
+            is_done.append(live == NEG_INF)  # e.g. at the length limit
+    return is_done
 
 
 def row_topk(scores: torch.Tensor, c: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""`mtcli train`: the training loop, one update (`train_step`), validation and the learning-rate schedule.
+"""`mtcli train`: the training loop, validation with checkpoints, and the learning-rate schedule.
 
     for each update, until train.max_updates (or max_epochs, early stopping, SIGINT/SIGTERM):
         plan  = this process's micro-batches of the next update (batching.plan_updates, one list per epoch)
@@ -8,15 +8,13 @@
 
 Single process or `torchrun --nproc_per_node N -m mtcli train ...`. Every rank computes the same epoch's batch list
 from the seed and takes a disjoint shard of it, so the data position is one pair (epoch, update in epoch) shared by
-all ranks, and a resumed run sees exactly the batches an uninterrupted one would have. Checkpoints live in
-checkpoint.py, processes and signals in distributed.py, the loss in loss.py. (A little over 400 lines: starting a
-run, the loop and validation-with-checkpoint share one `Run` object, and splitting them would pass it around.)
+all ranks, and a resumed run sees exactly the batches an uninterrupted one would have. One update (`train_step`) is
+in update.py, checkpoints in checkpoint.py, the run directory's lock and train.log in rundir.py, processes and signals
+in distributed.py, the loss in loss.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import random
 import time
@@ -25,21 +23,30 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from mtcli import checkpoint as ckpt
-from mtcli.batching import Batch, UpdatePlan, collate, epoch_batches, plan_updates
+from mtcli.batching import (
+    Batch,
+    UpdatePlan,
+    accumulation_steps,
+    collate,
+    epoch_batches,
+    length_limit,
+    plan_updates,
+    usable_examples,
+)
 from mtcli.checkpoint import TrainState
 from mtcli.config import Config, TrainConfig
 from mtcli.data import EncodedSplit, PreparedData, SampledSplit
 from mtcli.device import DTYPES, choose_precision, precision_name
-from mtcli.distributed import Dist, StopSignal, prepare_once, restart_count
+from mtcli.distributed import Dist, StopSignal, prepare_once
 from mtcli.errors import MtcliError
 from mtcli.evaluate import validation_bleu, validation_loss
-from mtcli.log import add_log_file, logger, remove_log_file
-from mtcli.loss import LossModel
+from mtcli.log import logger
 from mtcli.metrics import Metrics, UpdateRecord
 from mtcli.model import Transformer
+from mtcli.rundir import open_run_dir, torchrun_restart
+from mtcli.update import Trainer, train_step
 
 
 def lr_at(update: int, cfg: TrainConfig) -> float:
@@ -53,83 +60,6 @@ def lr_at(update: int, cfg: TrainConfig) -> float:
         progress = min(1.0, (update - warmup) / max(1, cfg.max_updates - warmup))
         return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
     return cfg.lr
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# One update
-
-
-@dataclass
-class Trainer:
-    """What one update needs: the model, its loss module (DDP-wrapped or compiled as configured), the optimizer, the
-    loss scaler (enabled for fp16 only) and the autocast context of the chosen precision."""
-
-    model: Transformer
-    loss_model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    autocast: contextlib.AbstractContextManager
-    dtype: torch.dtype
-    device: torch.device
-    world: int = 1
-
-    @classmethod
-    def build(cls, model: Transformer, tc: TrainConfig, dtype: torch.dtype, device: torch.device, world: int = 1):
-        decay = [p for p in model.parameters() if p.dim() >= 2]  # biases and LayerNorm gains are not decayed
-        no_decay = [p for p in model.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=tc.lr,
-            betas=tc.betas,
-            eps=tc.eps,
-            fused=device.type in ("cuda", "cpu"),
-        )
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-        loss_model: nn.Module = LossModel(model, tc.label_smoothing, tc.rdrop)
-        if world > 1:
-            ids = [device.index] if device.type == "cuda" else None
-            loss_model = nn.parallel.DistributedDataParallel(loss_model, device_ids=ids)
-        if tc.compile:
-            loss_model = torch.compile(loss_model, dynamic=True)
-        return cls(model, loss_model, optimizer, scaler, autocast, dtype, device, world)
-
-
-@dataclass
-class StepResult:
-    loss_sum: torch.Tensor  # summed loss over this process's target tokens, on the device (reading it syncs)
-    gnorm: float  # gradient norm before clipping; not finite when the update was skipped
-
-    @property
-    def finite(self) -> bool:
-        return math.isfinite(self.gnorm)
-
-
-def train_step(trainer: Trainer, batches: list[Batch], tgt_tokens: int, lr: float, clip_norm: float) -> StepResult:
-    """One optimizer update from this process's micro-batches (on the device). Each loss is normalised by the
-    update's target tokens over all processes; DDP all-reduces gradients on the last micro-batch only. When the
-    gradient norm is not finite, the gradients are dropped and nothing is stepped."""
-    t = trainer
-    t.model.train()
-    loss_sum = torch.zeros((), device=t.device)
-    for i, batch in enumerate(batches):
-        accumulate_only = t.world > 1 and i < len(batches) - 1
-        with t.loss_model.no_sync() if accumulate_only else contextlib.nullcontext():
-            with t.autocast:
-                loss = t.loss_model(batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index, batch.labels)
-            # DDP averages gradients over processes, hence * world: the result is the mean over all target tokens.
-            t.scaler.scale(loss * (t.world / tgt_tokens)).backward()
-        loss_sum += loss.detach()
-    for group in t.optimizer.param_groups:
-        group["lr"] = lr
-    t.scaler.unscale_(t.optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip_norm if clip_norm > 0 else math.inf)
-    gnorm = float(norm)  # one host sync per update, needed to skip non-finite steps
-    if math.isfinite(gnorm):
-        t.scaler.step(t.optimizer)
-    t.scaler.update()  # fp16: a skipped step lowers the loss scale
-    t.optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss_sum, gnorm)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -222,52 +152,6 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     return TrainResult(run.model, run_dir, state.update, stopped_by)
 
 
-@dataclass
-class OpenRunDir:
-    """What rank 0 holds while it trains into a run directory: the lock, and train.log's handler."""
-
-    lock: ckpt.RunLock | None = None
-    log_file: logging.Handler | None = None
-
-    def close(self) -> None:
-        remove_log_file(self.log_file)
-        if self.lock is not None:
-            self.lock.release()
-
-
-def open_run_dir(run_dir: Path, resume: bool, d: Dist) -> OpenRunDir:
-    """Lock the run directory (rank 0), check that it fits the request, and start its train.log."""
-    if not d.main:
-        logger.setLevel("WARNING")  # one process reports
-        return OpenRunDir()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = ckpt.RunLock(run_dir)  # before looking inside: another process may be writing it
-    try:
-        existing = ckpt.last_checkpoint(run_dir)
-        if existing is not None and not resume:
-            raise MtcliError(
-                f"{run_dir} already holds checkpoints (newest: {existing.name}); continue it with --resume, "
-                "or choose another --run-dir"
-            )
-        if resume and existing is None:
-            raise MtcliError(f"--resume: {run_dir} has no checkpoint to resume from")
-        ckpt.remove_temporary(run_dir)
-    except MtcliError:
-        lock.release()
-        raise
-    return OpenRunDir(lock, add_log_file(run_dir / "train.log"))
-
-
-def torchrun_restart(run_dir: Path) -> bool:
-    """Whether this is a worker group that torchrun restarted (--max-restarts) after a failure: it then continues
-    from the run's last checkpoint by itself, since torchrun repeats the original command line."""
-    restarts = restart_count()
-    if restarts and ckpt.last_checkpoint(run_dir) is not None:
-        logger.warning(f"torchrun restart {restarts}: resuming from {ckpt.last_checkpoint(run_dir)}")
-        return True
-    return False
-
-
 def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume: bool) -> Run:
     """Data, model (same initialisation on every rank), optimizer and precision; the checkpoint when resuming."""
     tc = cfg.train
@@ -354,40 +238,6 @@ def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
 
 def collate_examples(split: EncodedSplit | SampledSplit, indices: np.ndarray, max_len: int = 0) -> Batch:
     return collate([split.src(i) for i in indices], [split.tgt(i) for i in indices], max_len)
-
-
-def length_limit(cfg: Config) -> int:
-    """The most tokens (with EOS/BOS) a training side may have: the model's positions and the batch budget."""
-    return min(cfg.model.max_positions, cfg.train.max_tokens)
-
-
-def usable_examples(split: EncodedSplit, cfg: Config) -> np.ndarray:
-    """Training examples that fit the model's positions and the batch budget (the rest are left out, with a note)."""
-    limit = length_limit(cfg)
-    ok = (split.src_lens <= limit) & (split.tgt_lens <= limit)
-    left_out = int((~ok).sum())
-    if left_out:
-        logger.warning(
-            f"note: {left_out} training pairs longer than {limit} tokens (model.max_positions or "
-            "train.max_tokens) are left out"
-        )
-    if not ok.any():
-        shortest = int(np.maximum(split.src_lens, split.tgt_lens).min())
-        raise MtcliError(
-            f"no training pair fits: the shortest needs {shortest} tokens (with EOS/BOS), but train.max_tokens is "
-            f"{cfg.train.max_tokens} and model.max_positions {cfg.model.max_positions}; raise the smaller one"
-        )
-    return np.flatnonzero(ok)
-
-
-def accumulation_steps(split: EncodedSplit, usable: np.ndarray, cfg: Config, world: int) -> int:
-    """Micro-batches per update and process to reach train.tokens_per_update target tokens (1 when it is 0)."""
-    tc = cfg.train
-    if not tc.tokens_per_update:
-        return 1
-    batches = epoch_batches(split.src_lens[usable], split.tgt_lens[usable], tc.max_tokens, tc.seed, 0)
-    per_batch = split.tgt_lens[usable].sum() / len(batches)
-    return max(1, round(tc.tokens_per_update / (per_batch * world)))
 
 
 def skip_nonfinite_update(run: Run) -> None:

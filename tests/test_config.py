@@ -7,16 +7,8 @@ import dataclasses
 import pytest
 import yaml
 
-from mtcli.config import (
-    SHIPPED_CONFIGS,
-    ConfigError,
-    ModelConfig,
-    TrainConfig,
-    config_from_dict,
-    load_config,
-    resolve_config_path,
-    shipped_config_names,
-)
+from mtcli.config import SHIPPED_CONFIGS, ConfigError, ModelConfig, TrainConfig
+from mtcli.config_loader import config_from_dict, load_config, resolve_config_path, shipped_config_names
 from mtcli.errors import MtcliError
 
 SHIPPED = shipped_config_names()

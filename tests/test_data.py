@@ -17,7 +17,7 @@ from conftest import tiny_pairs
 
 import mtcli.data
 from mtcli.batching import epoch_batches, padding_counts
-from mtcli.config import load_config
+from mtcli.config_loader import load_config
 from mtcli.corpus import check_utf8, has_bare_cr, split_names
 from mtcli.data import clean, eval_texts, prepare
 from mtcli.errors import MtcliError

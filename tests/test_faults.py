@@ -12,14 +12,15 @@ import torch
 from mtcli import checkpoint as ckpt
 from mtcli.errors import MtcliError
 from mtcli.metrics import _truncate_records
+from mtcli.rundir import RunLock
 
 
 def test_a_second_trainer_is_refused_by_the_lock_and_a_released_lock_is_free(tmp_path):
-    first = ckpt.RunLock(tmp_path)
+    first = RunLock(tmp_path)
     with pytest.raises(MtcliError, match=r"is being trained by process \d+ on .* \(lock file"):
-        ckpt.RunLock(tmp_path)
+        RunLock(tmp_path)
     first.release()
-    ckpt.RunLock(tmp_path).release()  # the kernel lock is gone with its holder: no stale lock to clean up
+    RunLock(tmp_path).release()  # the kernel lock is gone with its holder: no stale lock to clean up
 
 
 def test_a_pickle_payload_in_state_pt_is_refused_and_never_runs(tmp_path):
@@ -51,7 +52,7 @@ def test_records_after_the_checkpoint_are_dropped_on_resume(tmp_path):
 
 
 def test_a_torchrun_restart_resumes_by_itself(tmp_path, monkeypatch):
-    from mtcli.train import torchrun_restart
+    from mtcli.rundir import torchrun_restart
 
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
     assert not torchrun_restart(tmp_path)  # nothing to resume from: a fresh start

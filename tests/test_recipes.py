@@ -9,7 +9,8 @@ import pytest
 from conftest import losses
 
 from mtcli.checkpoint import checkpoint_dir
-from mtcli.config import SHIPPED_CONFIGS, load_config, shipped_config_names
+from mtcli.config import SHIPPED_CONFIGS
+from mtcli.config_loader import load_config, shipped_config_names
 from mtcli.model import Transformer
 from mtcli.train import train
 

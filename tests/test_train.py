@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from conftest import losses
 
 from mtcli import checkpoint as ckpt
+from mtcli.average import average_checkpoints
 from mtcli.batching import epoch_batches
-from mtcli.config import TrainConfig, load_config
+from mtcli.config import TrainConfig
+from mtcli.config_loader import load_config
 from mtcli.data import prepare
 from mtcli.errors import MtcliError
 from mtcli.loss import LossModel, projection_cross_entropy, symmetric_kl
@@ -470,14 +472,14 @@ def test_average_refuses_different_architectures_and_averages_equal_ones(cache_d
     cfg = tiny_config(cache_dir, **{"train.max_updates": 2, "train.valid_every": 1, "train.keep_last": 5})
     train(cfg, tmp_path / "a")
     first, second = ckpt.list_checkpoints(tmp_path / "a")
-    averaged = ckpt.average_checkpoints([first, second], tmp_path / "avg")
+    averaged = average_checkpoints([first, second], tmp_path / "avg")
     model, _, _ = ckpt.load_model(averaged)
     a, b = ckpt.load_model(first)[0].state_dict(), ckpt.load_model(second)[0].state_dict()
     for name, tensor in model.state_dict().items():
         torch.testing.assert_close(tensor, (a[name] + b[name]) / 2)
     train(tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1, "model.d_ff": 128}), tmp_path / "b")
     with pytest.raises(MtcliError, match="different architectures"):
-        ckpt.average_checkpoints([first, ckpt.last_checkpoint(tmp_path / "b")], tmp_path / "bad")
+        average_checkpoints([first, ckpt.last_checkpoint(tmp_path / "b")], tmp_path / "bad")
 
 
 @pytest.mark.slow

@@ -1,0 +1,92 @@
+"""The run directory while `mtcli train` writes it: an exclusive lock (one trainer per directory), the checks that a
+new run or a resume fits what is there, train.log, and torchrun's restarts (which resume by themselves).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from mtcli import checkpoint as ckpt
+from mtcli.distributed import Dist, restart_count
+from mtcli.errors import MtcliError
+from mtcli.log import add_log_file, logger, remove_log_file
+
+
+class RunLock:
+    """An exclusive lock on a run directory while one training process writes it, so a second `mtcli train` on the
+    same directory is refused instead of interleaving checkpoints. The kernel releases it when the process ends,
+    however it ends, so a killed run never leaves a stale lock; the file names the holder for the error message."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / ".lock"
+        self.file = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            raise MtcliError(
+                f"{run_dir} is being trained by {holder} (lock file {self.path}); wait for it to finish, or "
+                "choose another --run-dir"
+            ) from None
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"process {os.getpid()} on {socket.gethostname()}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            fcntl.flock(self.file, fcntl.LOCK_UN)
+            self.file.close()
+
+
+@dataclass
+class OpenRunDir:
+    """What rank 0 holds while it trains into a run directory: the lock, and train.log's handler."""
+
+    lock: RunLock | None = None
+    log_file: logging.Handler | None = None
+
+    def close(self) -> None:
+        remove_log_file(self.log_file)
+        if self.lock is not None:
+            self.lock.release()
+
+
+def open_run_dir(run_dir: Path, resume: bool, d: Dist) -> OpenRunDir:
+    """Lock the run directory (rank 0), check that it fits the request, and start its train.log."""
+    if not d.main:
+        logger.setLevel("WARNING")  # one process reports
+        return OpenRunDir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(run_dir)  # before looking inside: another process may be writing it
+    try:
+        existing = ckpt.last_checkpoint(run_dir)
+        if existing is not None and not resume:
+            raise MtcliError(
+                f"{run_dir} already holds checkpoints (newest: {existing.name}); continue it with --resume, "
+                "or choose another --run-dir"
+            )
+        if resume and existing is None:
+            raise MtcliError(f"--resume: {run_dir} has no checkpoint to resume from")
+        ckpt.remove_temporary(run_dir)
+    except MtcliError:
+        lock.release()
+        raise
+    return OpenRunDir(lock, add_log_file(run_dir / "train.log"))
+
+
+def torchrun_restart(run_dir: Path) -> bool:
+    """Whether this is a worker group that torchrun restarted (--max-restarts) after a failure: it then continues
+    from the run's last checkpoint by itself, since torchrun repeats the original command line."""
+    restarts = restart_count()
+    if restarts and ckpt.last_checkpoint(run_dir) is not None:
+        logger.warning(f"torchrun restart {restarts}: resuming from {ckpt.last_checkpoint(run_dir)}")
+        return True
+    return False
