@@ -36,6 +36,9 @@ from mtcli.model import Transformer
 from mtcli.tokenizer import Tokenizer
 
 CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
+# 2: decode.min_len defaults to 1. Checkpoints without the key were written when its default was 0, which let beam
+# search return empty translations; they are read with 1 (nobody chose 0 then: it was the only behaviour).
+CONFIG_VERSION = 2
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -112,6 +115,7 @@ def _write_checkpoint(tmp: Path, final: Path, update: int, model, config: Config
     metadata = {
         **extra,
         "config": json.dumps(config.to_dict()),
+        "config_version": str(CONFIG_VERSION),
         "update": str(update),
         "src_vocab_size": str(model.src_embed.num_embeddings),
         "tgt_vocab_size": str(model.output.out_features),
@@ -182,8 +186,11 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 
 def checkpoint_config(meta: dict[str, str]) -> Config:
-    """The resolved config in a checkpoint's metadata."""
-    return config_from_dict(json.loads(meta["config"]), source="checkpoint metadata")
+    """The resolved config in a checkpoint's metadata, brought up to CONFIG_VERSION."""
+    tree = json.loads(meta["config"])
+    if int(meta.get("config_version", 1)) < 2 and tree.get("decode", {}).get("min_len") == 0:
+        tree["decode"]["min_len"] = 1
+    return config_from_dict(tree, source="checkpoint metadata")
 
 
 def read_config(path: Path) -> Config:

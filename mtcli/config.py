@@ -205,7 +205,7 @@ class DecodeConfig:
     lenpen: float = 0.6  # GNMT length penalty alpha; 0 disables
     max_len_a: float = 2.0  # output length limit: a * source length + b (subwords), capped by model.max_positions
     max_len_b: int = 20
-    min_len: int = 0
+    min_len: int = 1  # output subwords before EOS is allowed (non-empty sources); 0 allows an empty output
     nbest: int = 1
     no_repeat_ngram: int = 0
     batch_tokens: int = 4096  # source subwords per translation batch (sentences x longest)

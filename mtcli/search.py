@@ -5,7 +5,9 @@ The encoder runs once; each step feeds only the newest token to `Transformer.dec
 the cache), so long outliers do not keep the whole batch busy.
 
 Lengths count output subwords without EOS. `max_lens[i]` is the most a sentence may produce: at that length EOS is
-the only choice.
+the only choice. `min_len` (default 1) is the least: EOS is not allowed before it, so a sentence never comes back
+empty (CTranslate2's and fairseq's rule; without it a model that likes EOS at step 1 returned "" for ordinary
+captions). Empty sources never reach the search: `Translator` answers them with an empty line.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _step_log_probs(
 
 @torch.inference_mode()
 def greedy_search(
-    model, src: torch.Tensor, src_pad_mask: torch.Tensor, max_lens: torch.Tensor, min_len: int = 0
+    model, src: torch.Tensor, src_pad_mask: torch.Tensor, max_lens: torch.Tensor, min_len: int = 1
 ) -> list[Hypothesis]:
     """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability)."""
     B, device = src.shape[0], src.device
@@ -106,7 +108,7 @@ def beam_search(
     max_lens: torch.Tensor,
     beam_size: int,
     lenpen: float = 0.0,
-    min_len: int = 0,
+    min_len: int = 1,
     nbest: int = 1,
     no_repeat_ngram: int = 0,
 ) -> list[list[Hypothesis]]:
@@ -251,7 +253,7 @@ def sample(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    min_len: int = 0,
+    min_len: int = 1,
     generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""

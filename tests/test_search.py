@@ -273,6 +273,35 @@ def test_min_len_blocks_early_eos():
     assert beam_search(model, src, mask, torch.tensor([5]), beam_size=2, min_len=2)[0][0].tokens == [4, 5]
 
 
+def test_search_never_returns_an_empty_output_by_default():
+    # A model that puts 0.99 on EOS at the first step: every search still produces a token first, as CTranslate2 and
+    # fairseq do (an implicit minimum length of 1), unless min_len=0 is asked for.
+    table = {(): {EOS: 0.99, 4: 0.006, 5: 0.004}, (4,): {EOS: 1.0}, (5,): {EOS: 1.0}}
+    model = MockModel(table)
+    src, mask = src_batch([3, 2])
+    max_lens = torch.tensor([5, 5])
+    assert [h.tokens for h in greedy_search(model, src, mask, max_lens)] == [[4], [4]]
+    for lenpen in (0.0, 1.0):
+        found = beam_search(model, src, mask, max_lens, beam_size=3, lenpen=lenpen, nbest=2)
+        assert [[h.tokens for h in hyps] for hyps in found] == [[[4], [5]]] * 2
+    drawn = sample(model, src, mask, max_lens, generator=torch.Generator().manual_seed(0))
+    assert all(len(h.tokens) >= 1 for h in drawn)
+    # min_len=0 lets the model's preference through
+    assert [h.tokens for h in greedy_search(model, src, mask, max_lens, min_len=0)] == [[], []]
+    assert beam_search(model, src, mask, max_lens, beam_size=3, min_len=0)[0][0].tokens == []
+
+
+def test_old_checkpoints_read_with_min_len_one():
+    # Checkpoints written before decode.min_len defaulted to 1 stored min_len 0 (the old default): read as 1.
+    import json
+
+    from mtcli.checkpoint import checkpoint_config
+
+    config = json.dumps({"data": {"dataset": "toy"}, "decode": {"min_len": 0}})
+    assert checkpoint_config({"config": config}).decode.min_len == 1
+    assert checkpoint_config({"config": config, "config_version": "2"}).decode.min_len == 0
+
+
 def test_no_repeat_ngram_blocks_repeats():
     # The model wants to repeat "4 5" forever.
     table = {(): {4: 0.9, 6: 0.1}}
