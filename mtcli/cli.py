@@ -185,13 +185,19 @@ def translate(
             out.close()
 
 
-@app.command("eval", short_help="Score a split or files: sacreBLEU and chrF with signatures.")
+@app.command("eval", short_help="Score a split or files: BLEU, chrF, chrF++, TER; confidence, paired tests.")
 def evaluate(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
     split: str = typer.Option(None, help="A role from data.splits: test (default) or valid."),
     src: Path = typer.Option(None, "--src", help="Source file to translate instead of a split."),
-    ref: Path = typer.Option(None, "--ref", help="Reference file for --src."),
+    refs: list[Path] = typer.Option(None, "--ref", help="Reference file for --src (repeatable: several references)."),
+    metrics: str = typer.Option("bleu,chrf,chrf++,ter", help="Comma-separated: bleu, chrf, chrf++, ter."),
+    confidence: bool = typer.Option(False, "--confidence", help="95% confidence intervals (bootstrap resampling)."),
+    compare: list[str] = typer.Option(
+        None, "--compare", help="A run, checkpoint folder or file of hypotheses to test against this one (repeatable)."
+    ),
+    sentence_scores: Path = typer.Option(None, "--sentence-scores", help="Write per-segment scores (JSON lines)."),
     beam: int = typer.Option(None, help="Beam size (1: greedy); default from the run's config."),
     lenpen: float = typer.Option(None, help="Length penalty alpha."),
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
@@ -202,37 +208,31 @@ def evaluate(
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
-    """Translate a split (or --src/--ref files) and report sacreBLEU and chrF with their signatures.
+    """Translate a split (or --src/--ref files) and report sacreBLEU's BLEU, chrF, chrF++ and TER with their
+    signatures; --compare tests other systems against this one (paired bootstrap and approximate randomization).
 
-    Example: mtcli eval --run runs/multi30k --split test --beam 5
+    Example: mtcli eval --run runs/multi30k --split test --confidence --compare runs/multi30k-seed2
     """
     from mtcli.checkpoint import run_of
     from mtcli.config_loader import with_overrides
-    from mtcli.evaluate import eval_config, evaluation_set
+    from mtcli.evaluate import ScoreOptions, eval_config, evaluation_set, format_report, parse_metrics
     from mtcli.evaluate import evaluate as run_eval
     from mtcli.translate import Translator, decode_settings, resolve_checkpoint
 
+    scoring = ScoreOptions(parse_metrics(metrics), lowercase, confidence)
     ckpt = resolve_checkpoint(run, checkpoint)
     cfg = with_overrides(eval_config(ckpt, run if checkpoint is not None else None), overrides or [], ("decode",))
-    sources, references, stem = evaluation_set(cfg, split, src, ref)
+    sources, references, stem = evaluation_set(cfg, split, src, refs or [])
     options = dict(beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, precision=precision)
     decode = decode_settings(cfg.decode, nbest=1, sampling=False, **options)
     translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
     out_dir = run_of(ckpt) / "eval"
     name = f"{stem}.{ckpt.name}" + (f".ensemble{len(translator.ensemble) + 1}" if translator.ensemble else "")
-    result = run_eval(translator, sources, references, decode, out_dir, name, lowercase, True)
+    compare = compare or []
+    result = run_eval(translator, sources, references, decode, out_dir, name, scoring, compare, sentence_scores, True)
     result["checkpoint"] = str(ckpt)
     result["ensemble"] = [str(p) for p in translator.ensemble]
-    if as_json:
-        print(json.dumps(result, indent=1, ensure_ascii=False))
-    else:
-        print(f"{result['bleu_detail']}  [{result['signature']}]")
-        print(f"chrF2 = {result['chrf']:.2f}  [{result['chrf_signature']}]")
-        print(f"precision: {result['precision']}, beam {result['beam']}, length penalty {result['lenpen']}")
-        if translator.ensemble:
-            print(f"ensemble: {ckpt}, {', '.join(result['ensemble'])} (next-token probabilities averaged)")
-        print(f"hypotheses: {result['hypotheses']}\nreferences: {result['references']}")
-        print(f"check: {result['command']}")
+    print(json.dumps(result, indent=1, ensure_ascii=False) if as_json else format_report(result))
 
 
 @app.command(short_help="Average a run's last N checkpoints into a new one.")

@@ -98,7 +98,7 @@ def test_eval_reports_what_sacrebleu_reports_on_the_written_files(toy_run):
             sys.executable,
             "-m",
             "sacrebleu",
-            result["references"],
+            result["references"][0],
             "-i",
             result["hypotheses"],
             "-tok",
@@ -220,4 +220,5 @@ def test_decode_settings_from_set_and_what_was_picked(toy_run):
     with pytest.raises(MtcliError, match="takes only decode.KEY=VALUE"):
         runner.invoke(app, [*base, "--set", "model.layers=2"], catch_exceptions=False)
     result = json.loads(invoke("eval", "--run", toy_run, "--set", "decode.beam=1", "--lowercase", "--json").stdout)
-    assert result["beam"] == 1 and "case:lc" in result["signature"] and result["command"].endswith("-tok zh -lc")
+    assert result["beam"] == 1 and "case:lc" in result["signature"] and "-tok zh" in result["command"]
+    assert "-lc --chrf-lowercase" in result["command"]
