@@ -4,8 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The torch requirement; CI passes torch==2.13.0 (this machine's CPU build). Default: whatever pip picks.
 TORCH ?= torch
-# Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib, the server.
-EXTRAS ?= dev,tensorboard,export,plot,serve
+# Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib, the server,
+# py3langid (data.clean.langid).
+EXTRAS ?= dev,tensorboard,export,plot,serve,langid
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast smoke lint bench bench-serve faults clean

@@ -33,6 +33,44 @@ class SplitsConfig:
 
 
 @dataclass(frozen=True)
+class CleanConfig:
+    """Filters of the training pairs after the empty, max_len and max_ratio ones (mtcli/clean.py); each dropped
+    pair is counted under the first filter that drops it."""
+
+    duplicates: bool = True  # a pair equal (after whitespace cleanup) to one already kept
+    copies: bool = True  # the source equals the target
+    max_repeat: int = 6  # drop a pair with a subword piece repeated more than this many times in a row; 0: off
+    # drop a pair with a side whose letters are more than this share outside its language's script(s) (a Chinese
+    # side in English); Latin names in Chinese text count one letter each, so keep it high for zh/ja; 1: off
+    max_other_script: float = 0.8
+    langid: bool = False  # py3langid on both sides (pip install 'mtcli[langid]'): drop a side in another language
+    langid_min_prob: float = 0.5  # ... only when py3langid names that language with at least this probability
+
+    def __post_init__(self):
+        _check(self.max_repeat >= 0, "data.clean.max_repeat", "must be 0 (off) or positive")
+        _check(0 < self.max_other_script <= 1, "data.clean.max_other_script", "must be in (0, 1]; 1 turns it off")
+        _check(0 <= self.langid_min_prob <= 1, "data.clean.langid_min_prob", "must be between 0 and 1")
+
+
+@dataclass(frozen=True)
+class TrainCorpusConfig:
+    """One of several training corpora (data.train_corpora): a local folder or a Hub dataset, the split to read, and
+    how many times each of its pairs is seen per epoch on average (0.5: a new random half every epoch)."""
+
+    path: str | None = None
+    dataset: str | None = None
+    subset: str | None = None
+    revision: str | None = None
+    split: str = "train"
+    weight: float = 1.0
+
+    def __post_init__(self):
+        where = self.path or self.dataset
+        _check(bool(self.path) != bool(self.dataset), "data.train_corpora", "each needs a path or a dataset (one)")
+        _check(self.weight > 0, "data.train_corpora.weight", f"must be positive (the corpus {where})")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     # Where the corpus comes from: `path` (a local folder) wins over `dataset` (a Hub name, or `toy` for the built-in
     # toy corpus), so setting data.path switches any config to local files.
@@ -53,6 +91,10 @@ class DataConfig:
     # Cleaning of the train split (valid and test are never filtered, so scores stay comparable).
     max_len: int = 250  # subwords per side, without BOS/EOS
     max_ratio: float = 3.0  # longer/shorter side in subwords; 0 disables
+    clean: CleanConfig = field(default_factory=CleanConfig)
+    # Several training corpora, read as one train split (data.splits.train is then not read); valid and test still
+    # come from data.path or data.dataset
+    train_corpora: tuple[TrainCorpusConfig, ...] = ()
     # SentencePiece
     vocab_size: int = 8000
     joint_vocab: bool = True

@@ -124,6 +124,10 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
             choices = ", ".join(str(a) for a in args)
             raise ConfigError(f"{key}: `{value}` is not one of: {choices} (in {source})")
         return value
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of any length, e.g. data.train_corpora
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got `{value}` (in {source})")
+        return tuple(_coerce(args[0], v, f"{key}[{i}]", source) for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got `{value}` (in {source})")

@@ -20,6 +20,7 @@ from typing import Any
 from mtcli.config import DataConfig
 from mtcli.errors import MtcliError
 from mtcli.hub import hub_offline, require_hub
+from mtcli.mixture import open_train_corpora
 
 ROLES = ("train", "valid", "test")
 
@@ -34,6 +35,7 @@ class SplitSource:
     description: str
     _dataset: Any  # a datasets.Dataset, or a pair of them (one per side) for plain text
     _read: Any  # function(dataset_or_pair, start, stop) -> (sources, targets)
+    corpora: tuple[tuple[str, int], ...] = ()  # (name, rows) of each of data.train_corpora, read one after the other
 
     def batches(self, batch_size: int = 10_000, indices: list[int] | None = None) -> Iterator[tuple[list, list]]:
         if indices is not None:
@@ -90,6 +92,8 @@ def open_splits(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None
     """Every split the config names that exists; a missing train split is an error, others are skipped with a note
     (appended to `notes`)."""
     names = split_names(cfg)
+    if cfg.train_corpora:  # those make the train split; the source of data.path or data.dataset only valid and test
+        names.pop("train", None)
     if cfg.path:
         found = _open_local(cfg, Path(cfg.path), names)
     elif cfg.dataset == "toy":
@@ -100,6 +104,8 @@ def open_splits(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None
         found = _open_local(cfg, folder, names)
     else:
         found = _open_hub(cfg, names)
+    if cfg.train_corpora:
+        found = {"train": open_train_corpora(cfg, cache_dir, notes), **found}
     if "train" not in found:
         raise MtcliError(
             f"no train split `{names.get('train')}` in {describe_source(cfg)}: "

@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 import sentencepiece
 
+from mtcli.clean import REASONS, PairFilter, describe_drops, langid_version
 from mtcli.config import Config, DataConfig
 from mtcli.corpus import describe_source, fingerprint_hash, open_splits, source_fingerprint
 from mtcli.errors import MtcliError
 from mtcli.log import logger
+from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
@@ -38,12 +40,19 @@ TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest")  # never
 def cache_key(cfg: DataConfig) -> dict:
     """Everything that changes the cached content; the folder name carries its hash."""
     settings = {k: v for k, v in asdict(cfg).items() if k not in TRAIN_TIME_SETTINGS}
-    return {
+    # corpus weights apply at training time; a list, as meta.json reads it back
+    settings["train_corpora"] = [{k: v for k, v in c.items() if k != "weight"} for c in settings["train_corpora"]]
+    key = {
         "version": CACHE_VERSION,
         "sentencepiece": sentencepiece.__version__,
         "source": source_fingerprint(cfg),
         "settings": settings,
     }
+    if cfg.train_corpora:
+        key["train_corpora"] = corpora_fingerprint(cfg)
+    if cfg.clean.langid:  # another model may name other languages
+        key["py3langid"] = langid_version(cfg)
+    return key
 
 
 def cache_folder(cfg: DataConfig) -> Path:
@@ -189,11 +198,15 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
         notes: list[str] = []
         sources = open_splits(data_cfg, folder.parent, notes)
         logger.info(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
-        for note in notes:
+        pair_filter = PairFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
+        for note in notes + pair_filter.notes:
             logger.info(note)
         tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
         dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
-        splits = {role: _encode_split(source, tokenizer, tmp, data_cfg, dtype) for role, source in sources.items()}
+        splits = {
+            role: _encode_split(source, tokenizer, tmp, data_cfg, dtype, pair_filter)
+            for role, source in sources.items()
+        }
         meta = {
             "key": cache_key(data_cfg),
             "source": describe_source(data_cfg),
@@ -248,16 +261,14 @@ def split_report(meta: dict, cfg: DataConfig) -> list[str]:
     for role, s in meta["splits"].items():
         line = f"  {role:5} {s['name']:18} {s['total']:>9,} pairs: kept {s['kept']:,}"
         if role == "train":
-            line += (
-                f"; dropped {s['empty']:,} with an empty side, {s['too_long']:,} over {cfg.max_len} subwords, "
-                f"{s['ratio']:,} over length ratio {cfg.max_ratio:g}"
-            )
+            line += f"; dropped {describe_drops(s, cfg)}"
         else:
             if s["too_long"]:
                 line += f" ({s['too_long']:,} over {cfg.max_len} subwords, kept: eval splits are never filtered)"
             if s["empty"]:
                 line += f" ({s['empty']:,} with an empty side, kept)"
         lines.append(line)
+        lines += describe_corpora(s.get("corpora", []), cfg) if role == "train" else []
     return lines
 
 
@@ -286,20 +297,20 @@ def _train_tokenizer(train, folder: Path, cfg: DataConfig) -> Tokenizer:
     return Tokenizer(folder / "spm.src.model", folder / "spm.tgt.model")
 
 
-def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str) -> dict:
-    """Encode one split in chunks, appending to flat id files; train pairs are cleaned, eval pairs kept as they are."""
+def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str, pair_filter) -> dict:
+    """Encode one split in chunks, appending to flat id files; train pairs go through `pair_filter` (a PairFilter),
+    eval pairs are kept as they are."""
     role, is_train = source.role, source.role == "train"
     counts = {
         "name": source.name,
         "total": 0,
         "kept": 0,
-        "empty": 0,
-        "too_long": 0,
-        "ratio": 0,
+        **dict.fromkeys(REASONS, 0),
         "src_tokens": 0,
         "tgt_tokens": 0,
     }
     offsets = {"src": [0], "tgt": [0]}
+    tally = CorpusTally(source.corpora) if source.corpora else None  # several training corpora: which pair is whose
     files = {side: open(folder / f"{role}.{side}.bin", "wb") for side in ("src", "tgt")}
     texts = (
         {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
@@ -313,15 +324,15 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
             src_ids, tgt_ids = tokenizer.encode_src(sources), tokenizer.encode_tgt(targets)
             keep = []
             for s, t, si, ti in zip(sources, targets, src_ids, tgt_ids):
-                empty = not s or not t
-                too_long = max(len(si), len(ti)) > cfg.max_len
-                ratio = (
-                    not empty and cfg.max_ratio > 0 and max(len(si), len(ti)) > cfg.max_ratio * min(len(si), len(ti))
-                )
-                counts["empty"] += empty
-                counts["too_long"] += too_long and not empty
-                counts["ratio"] += ratio and not empty and not too_long
-                keep.append(not is_train or not (empty or too_long or ratio))
+                if is_train:
+                    reason = pair_filter.reason(s, t, si, ti)
+                else:  # kept whatever they hold; the report notes the empty and the over-long ones
+                    reason = "empty" if not s or not t else "too_long" if max(len(si), len(ti)) > cfg.max_len else None
+                if reason is not None:
+                    counts[reason] += 1
+                keep.append(reason is None or not is_train)
+            if tally is not None:
+                tally.add(counts["total"] - len(sources), keep)
             for side, ids in (("src", src_ids), ("tgt", tgt_ids)):
                 kept = [x for x, k in zip(ids, keep) if k]
                 lengths = np.fromiter((len(x) for x in kept), dtype=np.int64, count=len(kept))
@@ -338,4 +349,6 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
             f.close()
     for side in ("src", "tgt"):
         np.save(folder / f"{role}.{side}.idx.npy", np.asarray(offsets[side], dtype=np.int64))
+    if tally is not None:
+        counts["corpora"] = tally.save(folder / f"{role}.corpus.npy")
     return counts

@@ -44,6 +44,7 @@ from mtcli.errors import MtcliError
 from mtcli.evaluate import validation_bleu, validation_loss
 from mtcli.log import logger
 from mtcli.metrics import Metrics, UpdateRecord
+from mtcli.mixture import epoch_examples
 from mtcli.model import Transformer
 from mtcli.rundir import open_run_dir, torchrun_restart
 from mtcli.update import Trainer, train_step
@@ -196,7 +197,9 @@ def next_update_plan(run: Run) -> UpdatePlan | None:
         if tc.max_epochs and state.epoch >= tc.max_epochs:
             return None
         if run.plans[0] != state.epoch:
-            split, usable = epoch_split(run, state.epoch), run.usable
+            split = epoch_split(run, state.epoch)
+            # with data.train_corpora weights, each corpus's pairs as many times as its weight (seeded by epoch)
+            usable = epoch_examples(run.train_split, run.usable, run.cfg, state.epoch)
             batches = [
                 usable[b]
                 for b in epoch_batches(

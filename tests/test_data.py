@@ -472,8 +472,11 @@ def test_train_pairs_are_cleaned_and_counted_eval_pairs_kept(tmp_path, log):
         [clean(t) for _, t in bad + normal[:5]],
     )
 
-    # 0 disables the ratio filter
+    # 0 disables the ratio filter; `Hund` 8 times in a row is then caught by data.clean.max_repeat (6)
     cfg = make_config(tmp_path, {"path": str(folder), "splits": SPLITS, "max_len": 40, "max_ratio": 0})
+    assert prepare(cfg).meta["splits"]["train"]["kept"] == 121
+    no_repeat = {"max_len": 40, "max_ratio": 0, "clean": {"max_repeat": 0}}
+    cfg = make_config(tmp_path, {"path": str(folder), "splits": SPLITS, **no_repeat})
     assert prepare(cfg).meta["splits"]["train"]["kept"] == 122  # the two over the ratio only
 
 
