@@ -17,7 +17,7 @@ import torch
 from mtcli.config import Config
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.tokenizer import BOS, EOS, PAD
+from mtcli.tokenizer import MTCLI_SPECIALS, Specials
 
 
 def token_budget_batches(
@@ -142,29 +142,41 @@ class Batch:
         )
 
 
-def collate(srcs: Sequence[Sequence[int]], tgts: Sequence[Sequence[int]] | None = None, max_len: int = 0) -> Batch:
+def collate(
+    srcs: Sequence[Sequence[int]],
+    tgts: Sequence[Sequence[int]] | None = None,
+    max_len: int = 0,
+    specials: Specials = MTCLI_SPECIALS,
+) -> Batch:
     """Tensors for one batch of id sequences without specials: sources get EOS, targets BOS (input side) and EOS
-    (labels). `max_len` (with specials; 0: none) truncates over-long sentences to the model's positions."""
+    (labels), padding is `specials.pad` (the model's: `model.specials`). `max_len` (with specials; 0: none) truncates
+    over-long sentences to the model's positions."""
+    pad, bos, eos = specials.pad, specials.bos, specials.eos
     cap = max_len - 1 if max_len else None
     srcs = [s[:cap] for s in srcs]
     B, S = len(srcs), max(len(s) for s in srcs) + 1
-    src = np.full((B, S), PAD, dtype=np.int64)
+    src = np.full((B, S), pad, dtype=np.int64)
+    real_src = np.zeros((B, S), dtype=bool)
     for row, s in enumerate(srcs):
-        src[row, : len(s)], src[row, len(s)] = s, EOS
+        src[row, : len(s)], src[row, len(s)] = s, eos
+        real_src[row, : len(s) + 1] = True
     src_t = torch.from_numpy(src)
+    src_pad_mask = torch.from_numpy(~real_src)  # by position: a MarianMT pad id may equal its decoder start id
     if tgts is None:
-        return Batch(src_t, src_t == PAD)
+        return Batch(src_t, src_pad_mask)
     tgts = [t[:cap] for t in tgts]
     T = max(len(t) for t in tgts) + 1
-    tgt_in = np.full((B, T), PAD, dtype=np.int64)
-    tgt_out = np.full((B, T), PAD, dtype=np.int64)  # tgt_in shifted left: the label of each position
+    tgt_in = np.full((B, T), pad, dtype=np.int64)
+    tgt_out = np.full((B, T), pad, dtype=np.int64)  # tgt_in shifted left: the label of each position
+    real_tgt = np.zeros((B, T), dtype=bool)
     for row, t in enumerate(tgts):
-        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = BOS, t
-        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, EOS
+        tgt_in[row, 0], tgt_in[row, 1 : len(t) + 1] = bos, t
+        tgt_out[row, : len(t)], tgt_out[row, len(t)] = t, eos
+        real_tgt[row, : len(t) + 1] = True
     flat = tgt_out.reshape(-1)
-    tgt_index = np.flatnonzero(flat != PAD)
+    tgt_index = np.flatnonzero(real_tgt.reshape(-1))
     return Batch(
-        src_t, src_t == PAD, torch.from_numpy(tgt_in), torch.from_numpy(tgt_index), torch.from_numpy(flat[tgt_index])
+        src_t, src_pad_mask, torch.from_numpy(tgt_in), torch.from_numpy(tgt_index), torch.from_numpy(flat[tgt_index])
     )
 
 

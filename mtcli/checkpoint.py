@@ -33,12 +33,14 @@ from mtcli.config_loader import config_from_dict
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.model import Transformer
-from mtcli.tokenizer import Tokenizer
+from mtcli.tokenizer import MTCLI_SPECIALS, Specials, Tokenizer
 
 CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
-# 2: decode.min_len defaults to 1. Checkpoints without the key were written when its default was 0, which let beam
-# search return empty translations; they are read with 1 (nobody chose 0 then: it was the only behaviour).
-CONFIG_VERSION = 2
+# What older checkpoints' configs meant, in today's keys (nobody chose these: they were the only behaviour):
+# 2: decode.min_len defaults to 1; before, 0 let beam search return empty translations: read as 1.
+# 3: data.clean filters; before, none ran: read as all off, so an old run resumes on the data it was trained on.
+CONFIG_VERSION = 3
+CLEAN_OFF = {"duplicates": False, "copies": False, "max_repeat": 0, "max_other_script": 1.0, "langid": False}
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -187,9 +189,11 @@ def read_metadata(path: Path) -> dict[str, str]:
 
 def checkpoint_config(meta: dict[str, str]) -> Config:
     """The resolved config in a checkpoint's metadata, brought up to CONFIG_VERSION."""
-    tree = json.loads(meta["config"])
-    if int(meta.get("config_version", 1)) < 2 and tree.get("decode", {}).get("min_len") == 0:
+    tree, version = json.loads(meta["config"]), int(meta.get("config_version", 1))
+    if version < 2 and tree.get("decode", {}).get("min_len") == 0:
         tree["decode"]["min_len"] = 1
+    if version < 3:
+        tree.setdefault("data", {}).setdefault("clean", CLEAN_OFF)
     return config_from_dict(tree, source="checkpoint metadata")
 
 
@@ -203,10 +207,14 @@ def read_config(path: Path) -> Config:
         ) from None
 
 
-def build_model(meta: dict[str, str]) -> tuple[Transformer, Config]:
+def build_model(meta: dict[str, str], specials: Specials = MTCLI_SPECIALS) -> tuple[Transformer, Config]:
     config = checkpoint_config(meta)
     model = Transformer(
-        config.model, int(meta["src_vocab_size"]), int(meta["tgt_vocab_size"]), meta.get("joint_vocab") == "True"
+        config.model,
+        int(meta["src_vocab_size"]),
+        int(meta["tgt_vocab_size"]),
+        meta.get("joint_vocab") == "True",
+        specials,
     )
     return model, config
 
@@ -226,17 +234,18 @@ def load_weights(model: Transformer, path: Path) -> None:
 
 
 def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transformer, Config, Tokenizer]:
-    """A checkpoint folder (or its model.safetensors) -> model in eval mode, its config and its tokenizer."""
+    """A checkpoint folder (or its model.safetensors) -> model in eval mode, its config and its tokenizer (whose
+    special ids the model uses)."""
     model_file = checkpoint_file(path)
-    try:
-        model, config = build_model(read_metadata(model_file))
-    except (KeyError, ValueError) as e:
-        raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
-    load_weights(model, model_file)
     try:
         tokenizer = Tokenizer.from_folder(model_file.parent)
     except (OSError, RuntimeError) as e:
         raise MtcliError(f"{model_file.parent}: no usable SentencePiece model next to the checkpoint ({e})") from None
+    try:
+        model, config = build_model(read_metadata(model_file), tokenizer.specials)
+    except (KeyError, ValueError) as e:
+        raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
+    load_weights(model, model_file)
     return model.to(device).eval(), config, tokenizer
 
 
@@ -311,16 +320,21 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
     """Load checkpoint `path` into the model, optimizer and scaler, put back this rank's RNG streams, and return the
     loop's position. The model and data settings must be the ones the run was trained with."""
     run_dir = path.parent.parent
-    saved = json.loads(read_metadata(path)["config"])
+    saved = checkpoint_config(read_metadata(path)).to_dict()  # keys added since it was written: what they meant then
     current = config.to_dict()
     for tree in (saved, current):
         tree["data"].pop("cache_dir", None)  # where the cache lives does not change what is in it
     for section in ("model", "data"):
-        if saved[section] != current[section]:
-            diff = [f"{section}.{k}" for k in saved[section] if saved[section][k] != current[section].get(k)]
+        was, now = _flat(saved[section], section), _flat(current[section], section)
+        diff = [
+            f"{k} (run: {was.get(k)}, now: {now.get(k)})"
+            for k in sorted(set(was) | set(now))
+            if was.get(k) != now.get(k)
+        ]
+        if diff:
             raise MtcliError(
-                f"--resume: {run_dir} was trained with different {section} settings ({', '.join(diff)}); "
-                f"resume with the run's own config: --config {run_dir / 'config.yaml'}"
+                f"--resume: {run_dir} was trained with different {section} settings: {'; '.join(diff)}. Resume with "
+                f"the run's own config (--config {run_dir / 'config.yaml'}), with --set for any key it lacks"
             )
     load_weights(model, path)
     payload = load_state(path)
@@ -352,6 +366,14 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
         bad_validations=payload["bad_validations"],
         skipped_total=payload.get("skipped_total", 0),
     )
+
+
+def _flat(tree: dict, prefix: str) -> dict:
+    """{"data.clean.copies": False, ...}: nested config sections as dotted keys."""
+    out = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}") if isinstance(value, dict) else {f"{prefix}.{key}": value})
+    return out
 
 
 def _as_tuple(value):

@@ -146,14 +146,8 @@ def translate(
     from mtcli.checkpoint import read_config
     from mtcli.config_loader import with_overrides
     from mtcli.corpus import read_lines
-    from mtcli.translate import (
-        Translator,
-        chunked,
-        decode_settings,
-        resolve_checkpoint,
-        stdin_chunks,
-        write_translations,
-    )
+    from mtcli.line_io import chunked, stdin_chunks, write_translations
+    from mtcli.translate import Translator, decode_settings, resolve_checkpoint
 
     if text and text != ["-"] and input_file is not None:
         raise MtcliError("give sentences or --input FILE, not both")
@@ -277,6 +271,25 @@ def export(
         raise MtcliError("--quantization applies to --format ctranslate2 only")
     ckpt = resolve_checkpoint(run, checkpoint)
     print(export_hf(ckpt, out) if format == "hf" else export_ctranslate2(ckpt, out, quantization))
+
+
+@app.command("import", short_help="Import a Hugging Face MarianMT (opus-mt) model as an mtcli run.")
+def import_model(
+    hf: str = typer.Option(
+        ..., "--hf", help="A MarianMT model folder, or a Hub name such as Helsinki-NLP/opus-mt-en-de."
+    ),
+    out: Path = typer.Option(..., "--out", help="Run directory to write."),
+    revision: str = typer.Option(None, help="Hub revision (branch, tag or commit) of a Hub name."),
+):
+    """Import a MarianMT model (config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm,
+    vocab.json) as a run directory that translate, eval, export, average and train (--set train.init_from=DIR) take.
+
+    Example: mtcli import --hf Helsinki-NLP/opus-mt-en-de --out runs/opus-en-de   then   mtcli translate --run
+    runs/opus-en-de "I love apples"
+    """
+    from mtcli.marian import import_marian
+
+    print(import_marian(hf, out, revision))
 
 
 @app.command(short_help="Draw the cross-attention of a translation as a heat map.")

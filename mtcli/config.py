@@ -110,6 +110,13 @@ class DataConfig:
     sampling_alpha: float = 0.0
     sampling_nbest: int = -1
     cache_dir: str = "data/cache"
+    # A folder holding the tokenizer to use instead of fitting SentencePiece (a run or checkpoint folder: spm.model, or
+    # an imported MarianMT vocabulary); train.init_from sets it to the starting checkpoint's. The vocabulary settings
+    # above are then unused.
+    tokenizer: str | None = None
+    # Text put before every source sentence, e.g. `>>deu<<`: the target-language token of a multilingual opus-mt
+    # model (see its README for the codes). Translation uses decode.src_prefix when that is set.
+    src_prefix: str = ""
 
     def __post_init__(self):
         _check(self.max_len > 0, "data.max_len", "must be positive")
@@ -133,6 +140,9 @@ class DataConfig:
         _check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
         cov = self.character_coverage
         _check(cov is None or 0.9 <= cov <= 1.0, "data.character_coverage", "must be between 0.9 and 1.0")
+
+    def check_source(self) -> None:
+        """A config that reads data names where it comes from (an imported model's run has no data of its own)."""
         _check(
             bool(self.dataset or self.path),
             "data.dataset",
@@ -154,11 +164,14 @@ class ModelConfig:
     # Training only: each source token's embedding is zeroed with this probability, so the encoder learns to read a
     # word from its context (word dropout, Sennrich et al. 2016); 0: off.
     src_word_dropout: float = 0.0
-    activation: Literal["relu", "gelu"] = "relu"
+    activation: Literal["relu", "gelu", "swish"] = "relu"  # swish = SiLU, what opus-mt models use
     norm: Literal["post", "pre"] = "post"
     positions: Literal["sinusoidal", "learned"] = "sinusoidal"
     max_positions: int = 1024
     tie_embeddings: bool = True  # three-way with a joint vocabulary, else target embedding + output only
+    scale_embedding: bool = True  # embeddings times sqrt(d_model) before the positions are added (the paper)
+    # A fixed bias added to the output logits (MarianMT's final_logits_bias): a buffer, not trained, as in Transformers.
+    output_bias: bool = False
 
     def __post_init__(self):
         for key in ("layers", "d_model", "heads", "d_ff", "max_positions"):
@@ -217,6 +230,9 @@ class TrainConfig:
     patience: int = 0  # validations without improvement before stopping; 0: never stop early
     log_every: int = 100
     max_nonfinite: int = 5  # consecutive non-finite losses before the run stops
+    # Fine-tuning: start from this run's best checkpoint (or this checkpoint folder), e.g. one made by `mtcli import`:
+    # its weights, architecture (the model section) and tokenizer, with a fresh optimizer. Valid BLEU at update 0.
+    init_from: str | None = None
 
     def __post_init__(self):
         for key in ("max_updates", "max_tokens", "valid_every", "log_every", "keep_last", "max_nonfinite"):
@@ -259,6 +275,7 @@ class DecodeConfig:
     # auto: bf16 weights and cache where the device has fast bf16 (CUDA, CPUs with AMX), else fp32; int8: dynamic
     # quantization of the linear layers, an option for CPUs without bf16 units
     precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
+    src_prefix: str | None = None  # null: data.src_prefix; e.g. `>>fra<<` to pick another target language
 
     def __post_init__(self):
         _check(self.beam >= 1, "decode.beam", "must be at least 1")

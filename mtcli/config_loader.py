@@ -43,7 +43,12 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
         raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode")
     tree.setdefault("name", path.stem)
     _apply_overrides(tree, overrides)
-    return config_from_dict(tree, source=str(path))
+    config = config_from_dict(tree, source=str(path))
+    try:
+        config.data.check_source()
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {path})") from None
+    return config
 
 
 def with_overrides(config: Config, overrides: list[str] | tuple[str, ...], sections: tuple[str, ...]) -> Config:

@@ -8,6 +8,7 @@ one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -52,7 +53,20 @@ def cache_key(cfg: DataConfig) -> dict:
         key["train_corpora"] = corpora_fingerprint(cfg)
     if cfg.clean.langid:  # another model may name other languages
         key["py3langid"] = langid_version(cfg)
+    if cfg.tokenizer:  # the vocabulary's content, not only its folder's name
+        files = given_tokenizer(cfg).files()
+        key["tokenizer"] = hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
     return key
+
+
+def given_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer of data.tokenizer: a checkpoint folder's, or a run directory's own."""
+    folder = Path(cfg.tokenizer)
+    try:
+        return Tokenizer.from_folder(folder)
+    except (OSError, RuntimeError, MtcliError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise MtcliError(f"data.tokenizer: no usable tokenizer in {folder} ({reason})") from None
 
 
 def cache_folder(cfg: DataConfig) -> Path:
@@ -112,6 +126,11 @@ class SampledSplit:
     so every rank and a resumed run see the same pieces. A pair whose sample outgrows `limit` keeps its cached ids."""
 
     def __init__(self, base: EncodedSplit, tokenizer: Tokenizer, cfg: DataConfig, seed: int, epoch: int, limit: int):
+        if type(tokenizer) is not Tokenizer:
+            raise MtcliError(
+                "data.sampling_alpha: subword sampling needs a SentencePiece vocabulary mtcli fitted; this one maps "
+                "pieces to ids through a vocabulary file (an imported model): set data.sampling_alpha=0"
+            )
         options = {"out_type": int, "enable_sampling": True, "alpha": cfg.sampling_alpha}
         if cfg.spm_model_type == "unigram":
             options["nbest_size"] = cfg.sampling_nbest
@@ -180,6 +199,7 @@ class PreparedData:
 def prepare(cfg: Config, force: bool = False) -> PreparedData:
     """Build the cache for `cfg.data` unless an identical one exists; log what was done."""
     data_cfg = cfg.data
+    data_cfg.check_source()
     folder = cache_folder(data_cfg)
     if (folder / "meta.json").is_file() and not force:
         meta = json.loads((folder / "meta.json").read_text())
@@ -201,7 +221,12 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
         pair_filter = PairFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
         for note in notes + pair_filter.notes:
             logger.info(note)
-        tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
+        if data_cfg.tokenizer:
+            given_tokenizer(data_cfg).copy_to(tmp)
+            tokenizer = Tokenizer.from_folder(tmp)
+            logger.info(f"tokenizer: {data_cfg.tokenizer}'s, as it is (no SentencePiece fitting)")
+        else:
+            tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
         dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
         splits = {
             role: _encode_split(source, tokenizer, tmp, data_cfg, dtype, pair_filter)
@@ -234,6 +259,8 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
     """Source and reference lines of an eval split: from the data cache, else read from the corpus itself."""
     if role not in EVAL_ROLES:
         raise MtcliError(f"--split {role}: choose one of {', '.join(EVAL_ROLES)} (roles in data.splits)")
+    if not (cfg.data.dataset or cfg.data.path):
+        raise MtcliError(f"--split {role}: this run names no data (an imported model); score files with --src/--ref")
     folder = cache_folder(cfg.data)
     if (folder / "meta.json").is_file() and role in json.loads((folder / "meta.json").read_text())["splits"]:
         return EncodedSplit(folder, role).texts()
@@ -321,7 +348,7 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
         for sources, targets in source.batches():
             sources, targets = [clean(s) for s in sources], [clean(t) for t in targets]
             counts["total"] += len(sources)
-            src_ids, tgt_ids = tokenizer.encode_src(sources), tokenizer.encode_tgt(targets)
+            src_ids, tgt_ids = tokenizer.encode_src(sources, cfg.src_prefix), tokenizer.encode_tgt(targets)
             keep = []
             for s, t, si, ti in zip(sources, targets, src_ids, tgt_ids):
                 if is_train:

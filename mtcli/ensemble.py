@@ -33,6 +33,7 @@ class Ensemble(nn.Module):
         super().__init__()
         self.members = nn.ModuleList(models)
         self.widths = [m.cfg.d_model for m in models]
+        self.specials = models[0].specials  # one vocabulary: the translator checks the members share it
 
     def encode(self, src: torch.Tensor, src_pad_mask: torch.Tensor) -> torch.Tensor:
         """(B, S, sum of the members' d_model)."""

@@ -310,13 +310,12 @@ def validation_loss(model, split, cfg: Config, device, autocast) -> dict:
     nll_sum, smoothed_sum, tokens = 0.0, 0.0, 0
     for indices in epoch_batches(split.src_lens, split.tgt_lens, cfg.train.max_tokens, 0, 0, shuffle=False):
         srcs, tgts = [split.src(i) for i in indices], [split.tgt(i) for i in indices]
-        batch = collate(srcs, tgts, cfg.model.max_positions).to(device)
+        batch = collate(srcs, tgts, cfg.model.max_positions, model.specials).to(device)
         with autocast:
             real = target_states(model, batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index)
-            nll_sum += float(projection_cross_entropy(real, model.output.weight, batch.labels, 0.0))
-            smoothed_sum += float(
-                projection_cross_entropy(real, model.output.weight, batch.labels, cfg.train.label_smoothing)
-            )
+            weight, bias, labels = model.output.weight, model.output_bias, batch.labels
+            nll_sum += float(projection_cross_entropy(real, weight, labels, 0.0, bias))
+            smoothed_sum += float(projection_cross_entropy(real, weight, labels, cfg.train.label_smoothing, bias))
         tokens += batch.n_tgt_tokens
     nll = nll_sum / max(tokens, 1)
     return {"loss": smoothed_sum / max(tokens, 1), "nll": nll, "ppl": math.exp(min(nll, 50))}

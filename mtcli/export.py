@@ -29,7 +29,8 @@ import torch
 from mtcli.checkpoint import load_model
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.tokenizer import BOS, EOS, PAD, UNK
+from mtcli.marian import interleaved_to_halves, layer_weight_map, permute_model_dimension
+from mtcli.tokenizer import MarianVocabTokenizer
 
 
 def _need(module: str):
@@ -71,7 +72,7 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     transformers = _need("transformers")
     model, config, tokenizer = load_model(checkpoint, "cpu")
     _check_exportable_hf(model)
-    c = config.model
+    c, specials = config.model, model.specials
     shared = _shares_embeddings(model)
     common = dict(
         vocab_size=tokenizer.src_vocab_size,
@@ -82,17 +83,17 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
         decoder_attention_heads=c.heads,
         encoder_ffn_dim=c.d_ff,
         decoder_ffn_dim=c.d_ff,
-        activation_function=c.activation,  # HF's "gelu" is the exact (erf) GELU, as torch's default
+        activation_function=c.activation,  # HF's "gelu" is the exact (erf) GELU, as torch's; "swish" is SiLU
         max_position_embeddings=c.max_positions,
         dropout=c.dropout,
         attention_dropout=c.attention_dropout,
         activation_dropout=c.activation_dropout,
-        scale_embedding=True,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        decoder_start_token_id=BOS,
-        forced_eos_token_id=EOS,
+        scale_embedding=c.scale_embedding,
+        pad_token_id=specials.pad,
+        bos_token_id=specials.bos,
+        eos_token_id=specials.eos,
+        decoder_start_token_id=specials.bos,
+        forced_eos_token_id=specials.eos,
         tie_word_embeddings=c.tie_embeddings,
         encoder_layerdrop=0.0,
         decoder_layerdrop=0.0,
@@ -109,11 +110,12 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     except RuntimeError as e:  # a transformers version whose names differ
         raise MtcliError(f"export: weights do not map onto {type(hf_model).__name__}: {str(e)[:300]}") from None
     hf_model.generation_config = transformers.GenerationConfig(
-        decoder_start_token_id=BOS,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-        suppress_tokens=[PAD, BOS],  # as mtcli's search: never emit padding or a second BOS
+        decoder_start_token_id=specials.bos,
+        bos_token_id=specials.bos,
+        eos_token_id=specials.eos,
+        pad_token_id=specials.pad,
+        suppress_tokens=sorted({specials.pad, specials.bos}),  # as mtcli's search: never padding or a second BOS
+        min_new_tokens=config.decode.min_len,  # as mtcli's search: no EOS before the first token (by default)
         num_beams=config.decode.beam,
         length_penalty=config.decode.lenpen,
         max_length=c.max_positions,
@@ -126,38 +128,12 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def _interleaved_to_halves(d: int) -> torch.Tensor:
-    """The permutation of the model dimension that turns mtcli's sinusoid layout (sin on even dimensions, cos on odd
-    ones) into MarianMT's (sin on the first half, cos on the second): HF dimension j is mtcli dimension perm[j]."""
-    return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
-
-
-def _permute_model_dimension(sd: dict[str, torch.Tensor], perm: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The same network with its residual stream's dimensions reordered by `perm`: embeddings, LayerNorms, the
-    inputs of every projection that reads the stream and the outputs of every one that writes it. LayerNorm and
-    attention are indifferent to the order, so every output is unchanged."""
-    out = {}
-    for name, t in sd.items():
-        if name.endswith(("embed.weight", "output.weight", "learned_positions.weight")):
-            t = t[:, perm]  # (rows, d)
-        elif "norm" in name:
-            t = t[perm]
-        elif name.endswith((".out.weight", ".down.weight")):
-            t = t[perm]  # writes the stream: output rows
-        elif name.endswith((".out.bias", ".down.bias")):
-            t = t[perm]
-        elif name.endswith(("qkv.weight", ".q.weight", ".kv.weight", ".up.weight")):
-            t = t[:, perm]  # reads the stream: input columns
-        out[name] = t
-    return out
-
-
 def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """mtcli's weights under the names of HF's Marian/Blenderbot models (same structure, fused matrices split).
-    MarianMT computes its own sinusoid table on loading (sin half, cos half), so for it the model dimension is
-    permuted to that layout; Blenderbot loads mtcli's table as it is."""
+    """mtcli's weights under the names of HF's Marian/Blenderbot models (same structure, fused matrices split;
+    mtcli.marian holds the map, which the import reads the other way). MarianMT computes its own sinusoid table on
+    loading (sin half, cos half), so for it the model dimension is permuted to that layout; Blenderbot loads mtcli's
+    table as it is."""
     sd = {k: v.detach() for k, v in model.state_dict().items()}
-    d = model.cfg.d_model
     marian = model.cfg.norm == "post"
     if marian:
         if model.cfg.positions != "sinusoidal":
@@ -165,11 +141,12 @@ def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch
                 "export: a post-norm model with learned positions cannot be expressed in MarianMT (it computes its "
                 "sinusoid table when loading)"
             )
-        perm = _interleaved_to_halves(d)
-        sd = _permute_model_dimension(sd, perm)
+        perm = interleaved_to_halves(model.cfg.d_model)
+        sd = permute_model_dimension(sd, perm)
         if not torch.allclose(model.sinusoids[:, perm], reference["model.encoder.embed_positions.weight"], atol=1e-5):
             raise MtcliError("export: MarianMT's sinusoid table does not match mtcli's in this transformers version")
-    out = {"final_logits_bias": torch.zeros_like(reference["final_logits_bias"])}
+    bias = sd.get("output_bias")
+    out = {"final_logits_bias": (bias if bias is not None else torch.zeros(sd["output.weight"].shape[0]))[None]}
     if "model.shared.weight" in reference:  # one matrix for both sides; otherwise each stack has its own
         out["model.shared.weight"] = sd["src_embed.weight"]
     out["model.encoder.embed_tokens.weight"] = sd["src_embed.weight"]
@@ -178,66 +155,42 @@ def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch
     positions = reference["model.encoder.embed_positions.weight"] if marian else _position_table(model)
     out["model.encoder.embed_positions.weight"] = positions
     out["model.decoder.embed_positions.weight"] = positions
-
-    def linear(dst: str, weight: torch.Tensor, bias: torch.Tensor) -> None:
-        out[f"{dst}.weight"], out[f"{dst}.bias"] = weight, bias
-
-    def norm(dst: str, src: str) -> None:
-        out[f"{dst}.weight"], out[f"{dst}.bias"] = sd[f"{src}.weight"], sd[f"{src}.bias"]
-
-    def split(dst: str, names: list[str], src: str) -> None:  # a fused [q; k; v] (or [k; v]) matrix into parts
-        for i, name in enumerate(names):
-            linear(f"{dst}.{name}", sd[f"{src}.weight"][i * d : (i + 1) * d], sd[f"{src}.bias"][i * d : (i + 1) * d])
-
-    for side, layers in (("encoder", model.encoder), ("decoder", model.decoder)):
-        for i in range(len(layers)):
-            hf, mt = f"model.{side}.layers.{i}", f"{side}.{i}"
-            split(f"{hf}.self_attn", ["q_proj", "k_proj", "v_proj"], f"{mt}.self_attn.qkv")
-            linear(f"{hf}.self_attn.out_proj", sd[f"{mt}.self_attn.out.weight"], sd[f"{mt}.self_attn.out.bias"])
-            norm(f"{hf}.self_attn_layer_norm", f"{mt}.norm1")
-            linear(f"{hf}.fc1", sd[f"{mt}.ffn.up.weight"], sd[f"{mt}.ffn.up.bias"])
-            linear(f"{hf}.fc2", sd[f"{mt}.ffn.down.weight"], sd[f"{mt}.ffn.down.bias"])
-            if side == "encoder":
-                norm(f"{hf}.final_layer_norm", f"{mt}.norm2")
-                continue
-            linear(f"{hf}.encoder_attn.q_proj", sd[f"{mt}.cross_attn.q.weight"], sd[f"{mt}.cross_attn.q.bias"])
-            split(f"{hf}.encoder_attn", ["k_proj", "v_proj"], f"{mt}.cross_attn.kv")
-            linear(f"{hf}.encoder_attn.out_proj", sd[f"{mt}.cross_attn.out.weight"], sd[f"{mt}.cross_attn.out.bias"])
-            norm(f"{hf}.encoder_attn_layer_norm", f"{mt}.norm2")
-            norm(f"{hf}.final_layer_norm", f"{mt}.norm3")
-    if model.cfg.norm == "pre":
-        norm("model.encoder.layer_norm", "encoder_norm")
-        norm("model.decoder.layer_norm", "decoder_norm")
+    c = model.cfg
+    for mt, hf_names in layer_weight_map(c.n_encoder_layers, c.n_decoder_layers, c.norm == "pre").items():
+        for name, part in zip(hf_names, sd[mt].chunk(len(hf_names))):  # a fused [q; k; v] (or [k; v]) into parts
+            out[name] = part
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 
 def _save_hf_tokenizer(tokenizer, config, out: Path, transformers) -> None:
-    """A MarianTokenizer over mtcli's SentencePiece model(s): the pieces SentencePiece makes, mapped to mtcli's ids
-    (with separate vocabularies, a vocabulary for each side)."""
-
-    def vocab(spm) -> str:
-        return json.dumps({spm.id_to_piece(i): i for i in range(spm.get_piece_size())}, ensure_ascii=False)
-
-    spm = tokenizer.src
+    """A MarianTokenizer: an imported model's own files as they were; for mtcli's SentencePiece model(s), the pieces
+    SentencePiece makes mapped to mtcli's ids (with separate vocabularies, a vocabulary for each side)."""
     work = out / ".tokenizer-src"
     work.mkdir(exist_ok=True)
     try:
-        shutil.copyfile(tokenizer.src_model_path, work / "source.spm")
-        shutil.copyfile(tokenizer.tgt_model_path, work / "target.spm")
-        (work / "vocab.json").write_text(vocab(tokenizer.src), encoding="utf-8")
+        if isinstance(tokenizer, MarianVocabTokenizer):
+            tokenizer.copy_to(work)
+        else:
+            shutil.copyfile(tokenizer.src_model_path, work / "source.spm")
+            shutil.copyfile(tokenizer.tgt_model_path, work / "target.spm")
+            for side, spm in (("vocab.json", tokenizer.src), ("target_vocab.json", tokenizer.tgt)):
+                if side == "vocab.json" or not tokenizer.joint:
+                    pieces = {spm.id_to_piece(i): i for i in range(spm.get_piece_size())}
+                    (work / side).write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
         separate = {}
         if not tokenizer.joint:
-            (work / "target_vocab.json").write_text(vocab(tokenizer.tgt), encoding="utf-8")
             separate = dict(separate_vocabs=True, target_vocab_file=str(work / "target_vocab.json"))
+        s = tokenizer.specials
+        pad, unk, eos = tokenizer.tgt_pieces([s.pad, s.unk, s.eos])
         hf_tokenizer = transformers.MarianTokenizer(
             source_spm=str(work / "source.spm"),
             target_spm=str(work / "target.spm"),
             vocab=str(work / "vocab.json"),
             source_lang=config.data.src_lang,
             target_lang=config.data.tgt_lang,
-            unk_token=spm.id_to_piece(UNK),
-            eos_token=spm.id_to_piece(EOS),
-            pad_token=spm.id_to_piece(PAD),
+            unk_token=unk,
+            eos_token=eos,
+            pad_token=pad,
             model_max_length=config.model.max_positions - 1,
             **separate,
         )
@@ -276,8 +229,9 @@ def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = N
 def _ctranslate2_spec(model, tokenizer, ctranslate2):
     from ctranslate2.specs import common_spec, transformer_spec
 
-    c = model.cfg
-    activation = common_spec.Activation.GELU if c.activation == "gelu" else common_spec.Activation.RELU
+    c, specials = model.cfg, model.specials
+    activations = {"gelu": "GELU", "relu": "RELU", "swish": "SWISH"}
+    activation = getattr(common_spec.Activation, activations[c.activation])
     spec = transformer_spec.TransformerSpec.from_config(
         (c.n_encoder_layers, c.n_decoder_layers), c.heads, pre_norm=c.norm == "pre", activation=activation
     )
@@ -293,7 +247,7 @@ def _ctranslate2_spec(model, tokenizer, ctranslate2):
     for stack_spec, side, embed in ((spec.encoder, "encoder", "src_embed"), (spec.decoder, "decoder", "tgt_embed")):
         embeddings = stack_spec.embeddings[0] if isinstance(stack_spec.embeddings, list) else stack_spec.embeddings
         embeddings.weight = sd[f"{embed}.weight"]
-        stack_spec.scale_embeddings = True
+        stack_spec.scale_embeddings = c.scale_embedding
         stack_spec.position_encodings.encodings = positions
         if c.norm == "pre":
             norm(stack_spec.layer_norm, f"{side}_norm")
@@ -313,11 +267,12 @@ def _ctranslate2_spec(model, tokenizer, ctranslate2):
             norm(layer.attention.layer_norm, f"{mt}.norm2")
             norm(layer.ffn.layer_norm, f"{mt}.norm3")
     spec.decoder.projection.weight = sd["output.weight"]
-    src_pieces = [tokenizer.src.id_to_piece(i) for i in range(tokenizer.src_vocab_size)]
-    pieces = [tokenizer.tgt.id_to_piece(i) for i in range(tokenizer.tgt_vocab_size)]
-    spec.register_source_vocabulary(src_pieces)
+    if "output_bias" in sd:
+        spec.decoder.projection.bias = sd["output_bias"]
+    pieces = tokenizer.tgt_pieces(range(tokenizer.tgt_vocab_size))
+    spec.register_source_vocabulary(tokenizer.src_pieces(range(tokenizer.src_vocab_size)))
     spec.register_target_vocabulary(pieces)
-    spec.config.bos_token, spec.config.eos_token = pieces[BOS], pieces[EOS]
-    spec.config.unk_token, spec.config.decoder_start_token = pieces[UNK], pieces[BOS]
+    spec.config.bos_token, spec.config.eos_token = pieces[specials.bos], pieces[specials.eos]
+    spec.config.unk_token, spec.config.decoder_start_token = pieces[specials.unk], pieces[specials.bos]
     spec.config.add_source_eos = True  # mtcli's sources end in EOS
     return spec

@@ -37,15 +37,15 @@ def _pad_rows(hidden: torch.Tensor) -> torch.Tensor:
 
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, eps: float, needs_grad: bool, dtype: torch.dtype):
-        """hidden: (N, d), weight: (V, d), labels: (N,). The matrix products run in `dtype` (the autocast dtype, or
-        the inputs' own); softmax, loss and the output-matrix gradient are accumulated in fp32. Returns the summed
-        loss (fp32 scalar)."""
+    def forward(ctx, hidden, weight, bias, labels, eps: float, needs_grad: bool, dtype: torch.dtype):
+        """hidden: (N, d), weight: (V, d), bias: (V,) or None (a fixed output bias: no gradient), labels: (N,). The
+        matrix products run in `dtype` (the autocast dtype, or the inputs' own); softmax, loss and the output-matrix
+        gradient are accumulated in fp32. Returns the summed loss (fp32 scalar)."""
         with torch.autocast(hidden.device.type, enabled=False):  # dtypes are chosen explicitly below
-            return _FusedProjectionCrossEntropy._forward(ctx, hidden, weight, labels, eps, needs_grad, dtype)
+            return _FusedProjectionCrossEntropy._forward(ctx, hidden, weight, bias, labels, eps, needs_grad, dtype)
 
     @staticmethod
-    def _forward(ctx, hidden, weight, labels, eps, needs_grad, dtype):
+    def _forward(ctx, hidden, weight, bias, labels, eps, needs_grad, dtype):
         N, V = hidden.shape[0], weight.shape[0]
         hidden_dtype = hidden.dtype
         if hidden.device.type == "cpu" and dtype != torch.float32:
@@ -68,6 +68,7 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
         )
         # mean_v z_v = h . mean_v w_v: label smoothing's uniform term as a matrix-vector product, not a pass over z
         w_mean = weight.float().mean(dim=0)
+        bias_mean = float(bias.float().mean()) if bias is not None else 0.0
         w_sum = (w_mean * V).to(w.dtype) if needs_grad else None
         for start in range(0, hidden.shape[0], CHUNK_ROWS):
             h, y = hidden[start : start + CHUNK_ROWS], labels[start : start + CHUNK_ROWS]
@@ -76,6 +77,8 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
                 logits = torch.mm(h, w.t(), out=buffer[:n])  # (n, V)
             else:
                 logits = h @ w.t()  # bf16/fp16: the product's own dtype; softmax computes in fp32 internally
+            if bias is not None:
+                logits += bias.to(logits.dtype)
             # One fused softmax pass (in the logits' dtype: bf16 probabilities are what the bf16 products below take).
             # The loss needs the log-sum-exp: lse = z_y - log p_y. Where p_y is too small for that to be exact
             # (under ~1e-30, a hopeless prediction), those rows get the log-sum-exp computed directly.
@@ -86,7 +89,7 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             tiny = p_target < 1e-30
             if bool(tiny.any()):
                 lse[tiny] = torch.logsumexp(logits[tiny].float(), dim=1)
-            mean_logit = h.float() @ w_mean
+            mean_logit = h.float() @ w_mean + bias_mean
             total += (lse - (1 - eps) * target - eps * mean_logit)[: N - start].sum()
             if not needs_grad:
                 continue
@@ -113,16 +116,21 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         scale = grad_output.float()
         grads = grad_hidden * scale.to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype)
-        return *grads, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None
 
 
 def projection_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, label_smoothing: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    label_smoothing: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Summed label-smoothed cross-entropy of `hidden @ weight.T` against `labels`, without materialising logits."""
+    """Summed label-smoothed cross-entropy of `hidden @ weight.T (+ bias)` against `labels`, without materialising
+    logits. `bias` is the model's fixed output bias (MarianMT's final_logits_bias), or None."""
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _FusedProjectionCrossEntropy.apply(
-        hidden, weight, labels, label_smoothing, needs_grad, _product_dtype(hidden)
+        hidden, weight, bias, labels, label_smoothing, needs_grad, _product_dtype(hidden)
     )
 
 
@@ -134,16 +142,16 @@ def target_states(model: Transformer, src, src_pad_mask, tgt_in, tgt_index) -> t
 
 class _FusedSymmetricKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden1, hidden2, weight, dtype: torch.dtype):
+    def forward(ctx, hidden1, hidden2, weight, bias, dtype: torch.dtype):
         """hidden1, hidden2: (N, d), the same target positions under two dropout masks; weight: (V, d). Returns the
         summed KL(p1 || p2) + KL(p2 || p1) = sum (p1 - p2) * (log p1 - log p2) (fp32 scalar), and keeps the gradients.
         Products run in `dtype`; log-probabilities are fp32, since the two distributions are close and their
         difference is what counts."""
         with torch.autocast(hidden1.device.type, enabled=False):
-            return _FusedSymmetricKL._forward(ctx, hidden1, hidden2, weight, dtype)
+            return _FusedSymmetricKL._forward(ctx, hidden1, hidden2, weight, bias, dtype)
 
     @staticmethod
-    def _forward(ctx, hidden1, hidden2, weight, dtype):
+    def _forward(ctx, hidden1, hidden2, weight, bias, dtype):
         N, hidden_dtype = hidden1.shape[0], hidden1.dtype
         h1, h2, w = hidden1.to(dtype), hidden2.to(dtype), weight.to(dtype)
         if h1.device.type == "cpu" and dtype != torch.float32:  # shapes oneDNN has seen (see the cross-entropy)
@@ -153,8 +161,9 @@ class _FusedSymmetricKL(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
         for start in range(0, h1.shape[0], CHUNK_ROWS):
             x1, x2 = h1[start : start + CHUNK_ROWS], h2[start : start + CHUNK_ROWS]
-            logp1 = torch.log_softmax((x1 @ w.t()).float(), dim=1)
-            logp2 = torch.log_softmax((x2 @ w.t()).float(), dim=1)
+            shift = bias.float() if bias is not None else 0.0  # the fixed output bias, if any
+            logp1 = torch.log_softmax((x1 @ w.t()).float() + shift, dim=1)
+            logp2 = torch.log_softmax((x2 @ w.t()).float() + shift, dim=1)
             p1 = logp1.exp()
             diff = logp1.sub_(logp2)  # log p1 - log p2
             gap = logp2.exp_().neg_().add_(p1)  # p1 - p2
@@ -175,13 +184,15 @@ class _FusedSymmetricKL(torch.autograd.Function):
         grad1, grad2, grad_weight = ctx.saved_tensors
         scale = grad_output.float()
         g = scale.to(grad1.dtype)
-        return grad1 * g, grad2 * g, (grad_weight * scale).to(ctx.weight_dtype), None
+        return grad1 * g, grad2 * g, (grad_weight * scale).to(ctx.weight_dtype), None, None
 
 
-def symmetric_kl(hidden1: torch.Tensor, hidden2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Summed KL(p1 || p2) + KL(p2 || p1) between the distributions `hidden @ weight.T` predicts, without keeping
-    logits (R-Drop's regulariser)."""
-    return _FusedSymmetricKL.apply(hidden1, hidden2, weight, _product_dtype(hidden1))
+def symmetric_kl(
+    hidden1: torch.Tensor, hidden2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Summed KL(p1 || p2) + KL(p2 || p1) between the distributions `hidden @ weight.T (+ bias)` predicts, without
+    keeping logits (R-Drop's regulariser)."""
+    return _FusedSymmetricKL.apply(hidden1, hidden2, weight, bias, _product_dtype(hidden1))
 
 
 class LossModel(nn.Module):
@@ -197,12 +208,12 @@ class LossModel(nn.Module):
         self.model, self.label_smoothing, self.rdrop = model, label_smoothing, rdrop
 
     def forward(self, src, src_pad_mask, tgt_in, tgt_index, labels) -> torch.Tensor:
-        weight = self.model.output.weight
+        weight, bias = self.model.output.weight, self.model.output_bias
         if not (self.rdrop > 0 and self.model.training):
             real = target_states(self.model, src, src_pad_mask, tgt_in, tgt_index)
-            return projection_cross_entropy(real, weight, labels, self.label_smoothing)
+            return projection_cross_entropy(real, weight, labels, self.label_smoothing, bias)
         twice_index = torch.cat([tgt_index, tgt_index + tgt_in.numel()])  # the copy's rows follow the batch's
         real = target_states(self.model, src.repeat(2, 1), src_pad_mask.repeat(2, 1), tgt_in.repeat(2, 1), twice_index)
         n = labels.shape[0]
-        cross_entropy = projection_cross_entropy(real, weight, labels.repeat(2), self.label_smoothing) / 2
-        return cross_entropy + self.rdrop / 4 * symmetric_kl(real[:n], real[n:], weight)
+        cross_entropy = projection_cross_entropy(real, weight, labels.repeat(2), self.label_smoothing, bias) / 2
+        return cross_entropy + self.rdrop / 4 * symmetric_kl(real[:n], real[n:], weight, bias)

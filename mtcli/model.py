@@ -16,7 +16,7 @@ from torch import nn
 from mtcli.attention import CrossAttention, SelfAttention, padded_rows
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
-from mtcli.tokenizer import PAD
+from mtcli.tokenizer import MTCLI_SPECIALS, Specials
 
 
 class Dropout(nn.Module):
@@ -45,7 +45,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.d_model, cfg.d_ff)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.activation = F.gelu if cfg.activation == "gelu" else F.relu
+        self.activation = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}[cfg.activation]
         self.dropout = Dropout(cfg.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -97,23 +97,34 @@ class DecoderLayer(nn.Module):
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
-    """The paper's table: sin on even dimensions, cos on odd ones. (max_positions, d_model)"""
-    position = torch.arange(max_positions, dtype=torch.float32)[:, None]
-    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
-    table = torch.zeros(max_positions, d_model)
+    """The paper's table: sin on even dimensions, cos on odd ones. (max_positions, d_model), float32.
+
+    Computed in float64 and rounded once, as MarianMT's table is: in float32, position x frequency is off by up to
+    ~1.5e-5 at position 255, and the two tables (export, import) would differ by that much."""
+    position = torch.arange(max_positions, dtype=torch.float64)[:, None]
+    inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+    table = torch.zeros(max_positions, d_model, dtype=torch.float64)
     table[:, 0::2] = torch.sin(position * inv_freq)
     table[:, 1::2] = torch.cos(position * inv_freq)
-    return table
+    return table.float()
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, src_vocab_size: int, tgt_vocab_size: int, joint_vocab: bool):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        src_vocab_size: int,
+        tgt_vocab_size: int,
+        joint_vocab: bool,
+        specials: Specials = MTCLI_SPECIALS,
+    ):
+        """`specials`: the vocabulary's special ids (the tokenizer's), which the batches and the search use too."""
         super().__init__()
-        self.cfg = cfg
-        d = cfg.d_model
-        self.src_embed = nn.Embedding(src_vocab_size, d, padding_idx=PAD)
+        self.cfg, self.specials = cfg, specials
+        d, pad = cfg.d_model, specials.pad
+        self.src_embed = nn.Embedding(src_vocab_size, d, padding_idx=pad)
         share_src_tgt = cfg.tie_embeddings and joint_vocab and src_vocab_size == tgt_vocab_size
-        self.tgt_embed = self.src_embed if share_src_tgt else nn.Embedding(tgt_vocab_size, d, padding_idx=PAD)
+        self.tgt_embed = self.src_embed if share_src_tgt else nn.Embedding(tgt_vocab_size, d, padding_idx=pad)
         if cfg.positions == "learned":
             self.learned_positions = nn.Embedding(cfg.max_positions, d)
         else:
@@ -125,6 +136,10 @@ class Transformer(nn.Module):
         self.encoder_norm = nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
         self.decoder_norm = nn.LayerNorm(d) if cfg.norm == "pre" else nn.Identity()
         self.output = nn.Linear(d, tgt_vocab_size, bias=False)
+        if cfg.output_bias:
+            self.register_buffer("output_bias", torch.zeros(tgt_vocab_size))
+        else:
+            self.output_bias = None
         self._init_weights()
         if cfg.tie_embeddings:
             self.output.weight = self.tgt_embed.weight
@@ -141,8 +156,8 @@ class Transformer(nn.Module):
                 for block in p.data.split(d, dim=0) if name.endswith(("qkv.weight", "kv.weight")) else (p.data,):
                     nn.init.xavier_uniform_(block)
         with torch.no_grad():
-            self.src_embed.weight[PAD].zero_()
-            self.tgt_embed.weight[PAD].zero_()
+            self.src_embed.weight[self.specials.pad].zero_()
+            self.tgt_embed.weight[self.specials.pad].zero_()
 
     def _embed(
         self, embedding: nn.Embedding, ids: torch.Tensor, start: int = 0, word_dropout: float = 0.0
@@ -159,7 +174,9 @@ class Transformer(nn.Module):
             # Whole tokens vanish (not rescaled: test inputs are never missing words); their positions stay.
             keep = torch.rand(ids.shape, device=ids.device) >= word_dropout
             tokens = tokens * keep.unsqueeze(-1).to(tokens.dtype)
-        x = tokens * math.sqrt(self.cfg.d_model) + positions.to(embedding.weight.dtype)
+        if self.cfg.scale_embedding:
+            tokens = tokens * math.sqrt(self.cfg.d_model)
+        x = tokens + positions.to(embedding.weight.dtype)
         if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             # CPU autocast: carry the residual stream in the autocast dtype. In fp32 (as on GPUs) every LayerNorm
             # output is cast down for the next projection and every gradient cast back, a memory pass each way.
@@ -195,7 +212,8 @@ class Transformer(nn.Module):
         return self.decoder_norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.output(hidden)
+        logits = self.output(hidden)
+        return logits if self.output_bias is None else logits + self.output_bias.to(logits.dtype)
 
     def decode(
         self, tgt: torch.Tensor, memory: torch.Tensor, src_pad_mask: torch.Tensor, cache: KVCache | None = None

@@ -17,7 +17,6 @@ import torch
 
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.tokenizer import BOS, EOS
 from mtcli.translate import Translator
 
 
@@ -36,9 +35,10 @@ def cross_attention(translator: Translator, sentence: str) -> CrossAttention:
     if not sentence.strip():
         raise MtcliError("attention: give a non-empty sentence")
     best = translator.translate_nbest([sentence], beam=1, sampling=False)[0][0]
-    src_ids = tokenizer.encode_src([sentence.strip()])[0][: translator.max_src_tokens] + [EOS]
+    specials = model.specials
+    src_ids = translator.source_ids([sentence.strip()])[0][: translator.max_src_tokens] + [specials.eos]
     src = torch.tensor([src_ids], device=translator.device)
-    tgt_in = torch.tensor([[BOS, *best.tokens]], device=translator.device)
+    tgt_in = torch.tensor([[specials.bos, *best.tokens]], device=translator.device)
     captured: dict[int, tuple] = {}
     hooks = [
         layer.cross_attn.register_forward_pre_hook(lambda mod, args, i=i: captured.__setitem__(i, args))
@@ -51,9 +51,8 @@ def cross_attention(translator: Translator, sentence: str) -> CrossAttention:
         for hook in hooks:
             hook.remove()
     weights = torch.stack([_weights(model.decoder[i].cross_attn, *captured[i][:2]) for i in range(len(model.decoder))])
-    pieces = lambda ids: [tokenizer.tgt.id_to_piece(i) for i in ids]  # noqa: E731
-    source = [tokenizer.src.id_to_piece(i) for i in src_ids]
-    return CrossAttention(source, pieces([*best.tokens, EOS]), weights[:, 0].float().cpu(), best.text)
+    source, target = tokenizer.src_pieces(src_ids), tokenizer.tgt_pieces([*best.tokens, specials.eos])
+    return CrossAttention(source, target, weights[:, 0].float().cpu(), best.text)
 
 
 def _weights(attn, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:

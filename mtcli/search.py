@@ -18,7 +18,6 @@ import torch
 
 from mtcli.cache import KVCache
 from mtcli.ensemble import EnsembleCache
-from mtcli.tokenizer import BOS, EOS, PAD
 
 NEG_INF = float("-inf")
 
@@ -52,17 +51,18 @@ def _step_log_probs(
     min_len: int,
 ) -> torch.Tensor:
     """Log-probabilities of the next token, (N, V) in float32, with the length constraints applied."""
+    pad, bos, eos = model.specials.pad, model.specials.bos, model.specials.eos
     logits = model.decode(tokens, memory, src_pad_mask, cache)[:, -1]
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # reads bf16 logits as they are
-    log_probs[:, PAD] = NEG_INF
-    log_probs[:, BOS] = NEG_INF
+    log_probs[:, pad] = NEG_INF
+    log_probs[:, bos] = NEG_INF
     if step < min_len:
-        log_probs[:, EOS] = NEG_INF
+        log_probs[:, eos] = NEG_INF
     at_limit = max_lens <= step  # these rows must end now
     if at_limit.any():
-        eos_scores = log_probs[at_limit, EOS].clone()
+        eos_scores = log_probs[at_limit, eos].clone()
         log_probs[at_limit] = NEG_INF
-        log_probs[at_limit, EOS] = torch.nan_to_num(eos_scores, neginf=0.0)
+        log_probs[at_limit, eos] = torch.nan_to_num(eos_scores, neginf=0.0)
     return log_probs
 
 
@@ -71,18 +71,18 @@ def greedy_search(
     model, src: torch.Tensor, src_pad_mask: torch.Tensor, max_lens: torch.Tensor, min_len: int = 1
 ) -> list[Hypothesis]:
     """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability)."""
-    B, device = src.shape[0], src.device
+    B, device, eos = src.shape[0], src.device, model.specials.eos
     memory = model.encode(src, src_pad_mask)
     cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
     active = torch.arange(B, device=device)  # sentence index of each row
-    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
+    tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
     log_prob_sums = [0.0] * B
     done: list[Hypothesis | None] = [None] * B
     for step in range(int(max_lens.max()) + 1):
         log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
         best_lp, best = log_probs.max(dim=-1)
-        finished = best == EOS
+        finished = best == eos
         for sentence, token, lp, fin in zip(active.tolist(), best.tolist(), best_lp.tolist(), finished.tolist()):
             log_prob_sums[sentence] += lp
             if fin:
@@ -120,14 +120,14 @@ def beam_search(
     penalty, which lets a longer hypothesis overtake later: on Multi30k valid (beam 5, length penalty 1.0) it
     gave 0.3 BLEU less, with outputs 1.4% shorter. Beam 1 stays identical to greedy search.
     """
-    B, k, device = src.shape[0], beam_size, src.device
+    B, k, device, eos = src.shape[0], beam_size, src.device, model.specials.eos
     wanted = max(k, nbest)  # finished hypotheses a sentence waits for
     # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
     memory = model.encode(src, src_pad_mask)
     max_total = int(max_lens.max())
     cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
     sentences = torch.arange(B, device=device)  # sentence index of each batch entry still searching
-    tokens = torch.full((B * k, 1), BOS, dtype=torch.long, device=device)
+    tokens = torch.full((B * k, 1), model.specials.bos, dtype=torch.long, device=device)
     history = torch.empty((B * k, 0), dtype=torch.long, device=device)  # output tokens per row
     # Only the first beam is live at the start, so the first step does not pick k copies of the same token.
     scores = torch.full((B, k), NEG_INF, device=device)
@@ -150,7 +150,7 @@ def beam_search(
         top_scores, top_ids = candidates.topk(c, dim=1)  # (n, c)
         top_beams = top_ids // c
         top_tokens = row_tokens.view(n, k * c).gather(1, top_ids)
-        is_eos = (top_tokens == EOS) & torch.isfinite(top_scores)
+        is_eos = (top_tokens == eos) & torch.isfinite(top_scores)
         # (4) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
         penalty = length_penalty(step + 1, lenpen)
         _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, is_eos, k, penalty)
@@ -257,10 +257,10 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> list[Hypothesis]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""
-    B, device = src.shape[0], src.device
+    B, device, (pad, eos) = src.shape[0], src.device, (model.specials.pad, model.specials.eos)
     memory = model.encode(src, src_pad_mask)
     cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
-    tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)
+    tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
     log_prob_sums = torch.zeros(B, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)
@@ -276,14 +276,14 @@ def sample(
             drop = cumulative - sorted_logits.softmax(dim=-1) >= top_p  # keep the smallest set reaching top_p
             logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, NEG_INF))
         choice = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
-        choice = torch.where(alive, choice, torch.full_like(choice, PAD))
+        choice = torch.where(alive, choice, torch.full_like(choice, pad))
         log_prob_sums += torch.where(alive, log_probs.gather(1, choice.clamp(min=0)[:, None]).squeeze(1), 0.0)
         for i, (token, live) in enumerate(zip(choice.tolist(), alive.tolist())):
-            if live and token != EOS:
+            if live and token != eos:
                 outputs[i].append(token)
-        alive &= choice != EOS
+        alive &= choice != eos
         if not alive.any():
             break
-        tokens = torch.where(alive, choice, torch.full_like(choice, EOS))[:, None]
+        tokens = torch.where(alive, choice, torch.full_like(choice, eos))[:, None]
     sums = log_prob_sums.tolist()
     return [Hypothesis(out, s, s) for out, s in zip(outputs, sums)]

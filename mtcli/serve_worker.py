@@ -152,7 +152,7 @@ class Worker:
             if self.queued + len(sentences) > self.queue_size:
                 raise QueueFull(self.retry_after())
             self.queued += len(sentences)
-        tokens = sum(len(ids) + 1 for ids in self.translator.tokenizer.encode_src(sentences))
+        tokens = sum(len(ids) + 1 for ids in self.translator.source_ids(sentences))
         job = Job(sentences, decode, tokens, loop, loop.create_future())
         self.jobs.put(job)
         return job

@@ -1,16 +1,20 @@
-"""SentencePiece: train a joint (or one per side) subword model, and encode/decode with fixed special ids.
+"""SentencePiece: train a joint (or one per side) subword model, and encode/decode.
 
-Ids 0-3 are the same in every model mtcli makes: pad, unk, bos, eos. The model files are copied into each run
-directory, so `translate` needs nothing but the run.
+Ids 0-3 are the same in every model mtcli makes: pad, unk, bos, eos (`MTCLI_SPECIALS`). An imported MarianMT model
+keeps its own vocabulary instead (`MarianVocabTokenizer`: pieces map to model ids through vocab.json; eos 0, unk 1,
+pad = decoder start = the last id), so the special ids are the tokenizer's, and the model, the batches and the search
+read them from there. The model files are copied into each run directory, so `translate` needs nothing but the run.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import shutil
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import sentencepiece as spm
@@ -19,6 +23,19 @@ from mtcli.config import DataConfig
 from mtcli.errors import MtcliError
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Specials:
+    """A vocabulary's special ids. bos is what the decoder starts from; MarianMT starts from its pad id."""
+
+    pad: int = PAD
+    unk: int = UNK
+    bos: int = BOS
+    eos: int = EOS
+
+
+MTCLI_SPECIALS = Specials()
 CJK_LANGS = {"zh", "ja", "zh-cn", "zh-tw", "zho", "jpn", "cmn"}
 
 
@@ -71,7 +88,11 @@ def train_sentencepiece(sentences: Iterable[str], out_path: Path, cfg: DataConfi
 
 
 class Tokenizer:
-    """Source and target SentencePiece models (the same object twice for a joint vocabulary)."""
+    """Source and target SentencePiece models (the same object twice for a joint vocabulary); ids are SentencePiece's.
+
+    `src_prefix` (data.src_prefix, e.g. `>>deu<<` for a multilingual opus-mt model) is put before every source line."""
+
+    specials = MTCLI_SPECIALS
 
     def __init__(self, src_model: Path, tgt_model: Path | None = None):
         self.src_model_path = Path(src_model)
@@ -84,6 +105,8 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, folder: Path) -> Tokenizer:
         folder = Path(folder)
+        if (folder / MarianVocabTokenizer.VOCAB).is_file():
+            return MarianVocabTokenizer(folder)
         if (folder / "spm.model").is_file():
             return cls(folder / "spm.model")
         return cls(folder / "spm.src.model", folder / "spm.tgt.model")
@@ -105,19 +128,122 @@ class Tokenizer:
         return self.tgt.get_piece_size()
 
     def same_as(self, other: Tokenizer) -> bool:
-        """The same SentencePiece model(s), byte for byte: the same ids mean the same pieces."""
-        return (self.src.serialized_model_proto(), self.tgt.serialized_model_proto()) == (
-            other.src.serialized_model_proto(),
-            other.tgt.serialized_model_proto(),
-        )
+        """The same kind of tokenizer with the same files, byte for byte: the same ids mean the same pieces."""
+        mine, theirs = self.files(), other.files()
+        return type(self) is type(other) and [p.read_bytes() for p in mine] == [p.read_bytes() for p in theirs]
 
-    def encode_src(self, lines: list[str]) -> list[list[int]]:
+    def files(self) -> list[Path]:
+        """The files that define the vocabulary: what a cache key or a comparison must cover."""
+        return [self.src_model_path] if self.joint else [self.src_model_path, self.tgt_model_path]
+
+    def encode_src(self, lines: list[str], prefix: str = "") -> list[list[int]]:
+        lines = [f"{prefix} {line}" for line in lines] if prefix else lines
         return self.src.encode(lines, out_type=int, num_threads=self.threads)
 
     def encode_tgt(self, lines: list[str]) -> list[list[int]]:
         return self.tgt.encode(lines, out_type=int, num_threads=self.threads)
 
+    def src_pieces(self, ids: list[int]) -> list[str]:
+        return [self.src.id_to_piece(i) for i in ids]
+
+    def tgt_pieces(self, ids: list[int]) -> list[str]:
+        return [self.tgt.id_to_piece(i) for i in ids]
+
     def decode_tgt(self, ids: list[list[int]]) -> list[str]:
         """Subword ids (specials are dropped) back to detokenized text."""
         clean = [[i for i in seq if i > EOS] for seq in ids]
         return self.tgt.decode(clean, num_threads=self.threads)
+
+
+class MarianVocabTokenizer(Tokenizer):
+    """A MarianMT (opus-mt) tokenizer, as Transformers' MarianTokenizer computes it: SentencePiece cuts text into
+    pieces (source.spm, target.spm), vocab.json maps pieces to model ids (target_vocab.json for the target side when
+    the vocabularies are separate); a piece missing from it is <unk>. A leading language code such as `>>deu<<` is
+    one token. Decoding maps ids back to pieces and joins them with SentencePiece (the source model's when the
+    vocabulary is joint, as MarianTokenizer does)."""
+
+    VOCAB, TARGET_VOCAB, SOURCE_SPM, TARGET_SPM = "vocab.json", "target_vocab.json", "source.spm", "target.spm"
+    SPECIALS = "special_ids.json"  # from the model's config.json (written by the import): pad, unk, bos, eos
+
+    def __init__(self, folder: Path):
+        folder = Path(folder)
+        self.folder = folder
+        self.src_model_path, self.tgt_model_path = folder / self.SOURCE_SPM, folder / self.TARGET_SPM
+        self.src = spm.SentencePieceProcessor(model_file=str(self.src_model_path))
+        self.tgt = spm.SentencePieceProcessor(model_file=str(self.tgt_model_path))
+        self.src_vocab = _read_vocab(folder / self.VOCAB)
+        separate = (folder / self.TARGET_VOCAB).is_file()
+        self.tgt_vocab = _read_vocab(folder / self.TARGET_VOCAB) if separate else self.src_vocab
+        self.joint = not separate
+        self.src_piece_of = {i: piece for piece, i in self.src_vocab.items()}
+        self.tgt_piece_of = {i: piece for piece, i in self.tgt_vocab.items()}
+        self.threads = os.cpu_count() or 1
+        if (folder / self.SPECIALS).is_file():
+            self.specials = Specials(**json.loads((folder / self.SPECIALS).read_text(encoding="utf-8")))
+        else:  # opus-mt's layout: the decoder starts from the pad token
+            pad = self.tgt_vocab.get("<pad>", len(self.tgt_vocab) - 1)
+            self.specials = Specials(pad=pad, unk=self.tgt_vocab["<unk>"], bos=pad, eos=self.tgt_vocab["</s>"])
+        self._decoder_spm = self.tgt if separate else self.src
+
+    def files(self) -> list[Path]:
+        names = [self.SOURCE_SPM, self.TARGET_SPM, self.VOCAB] + ([] if self.joint else [self.TARGET_VOCAB])
+        names += [self.SPECIALS] if (self.folder / self.SPECIALS).is_file() else []
+        return [self.folder / name for name in names]
+
+    def copy_to(self, folder: Path) -> None:
+        for path in self.files():
+            shutil.copyfile(path, Path(folder) / path.name)
+
+    @property
+    def src_vocab_size(self) -> int:
+        return len(self.src_vocab)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return len(self.tgt_vocab)
+
+    @staticmethod
+    def _ids(lines: list[str], model, vocab: dict[str, int]) -> list[list[int]]:
+        unk, out = vocab["<unk>"], []
+        for line in lines:
+            code = []
+            if line.startswith(">>") and (end := line.find("<<")) != -1:  # MarianTokenizer.remove_language_code
+                code, line = [line[: end + 2]], line[end + 2 :]
+            out.append([vocab.get(piece, unk) for piece in code + model.encode(line, out_type=str)])
+        return out
+
+    def encode_src(self, lines: list[str], prefix: str = "") -> list[list[int]]:
+        lines = [f"{prefix} {line}" for line in lines] if prefix else lines
+        return self._ids(lines, self.src, self.src_vocab)
+
+    def encode_tgt(self, lines: list[str]) -> list[list[int]]:
+        return self._ids(lines, self.tgt, self.tgt_vocab)
+
+    def src_pieces(self, ids: list[int]) -> list[str]:
+        return [self.src_piece_of[i] for i in ids]
+
+    def tgt_pieces(self, ids: list[int]) -> list[str]:
+        return [self.tgt_piece_of[i] for i in ids]
+
+    def decode_tgt(self, ids: list[list[int]]) -> list[str]:
+        """Ids to text as MarianTokenizer.decode(skip_special_tokens=True) does: specials (and <unk>) dropped."""
+        skip = {self.specials.pad, self.specials.bos, self.specials.eos, self.specials.unk}
+        texts = []
+        for seq in ids:
+            pieces = self.tgt_pieces([i for i in seq if i not in skip])
+            texts.append(self._decoder_spm.decode_pieces(pieces).replace("\u2581", " ").strip())
+        return texts
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+    """A MarianMT vocabulary file: {piece: id}, the ids 0..n-1 each once."""
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtcliError(f"{path}: not a readable vocabulary ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab))):
+        raise MtcliError(f"{path}: expected a JSON object of pieces to the ids 0..n-1, each id once")
+    for token in ("<unk>", "</s>"):
+        if token not in vocab:
+            raise MtcliError(f"{path}: no `{token}` entry; this is not a MarianMT vocabulary")
+    return vocab

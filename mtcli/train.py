@@ -47,6 +47,8 @@ from mtcli.metrics import Metrics, UpdateRecord
 from mtcli.mixture import epoch_examples
 from mtcli.model import Transformer
 from mtcli.rundir import open_run_dir, torchrun_restart
+from mtcli.tokenizer import Specials
+from mtcli.translate import resolve_member
 from mtcli.update import Trainer, train_step
 
 
@@ -99,6 +101,7 @@ class TrainResult:
 
 def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> TrainResult:
     """Train `cfg` into `run_dir` (default runs/<config name>); with resume, continue from its last checkpoint."""
+    cfg = fine_tuning_config(cfg)
     tc = cfg.train
     d, device = Dist.from_env(tc.device)
     run_dir = Path(run_dir or Path("runs") / cfg.name)
@@ -110,12 +113,17 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     try:
         run = start_run(cfg, run_dir, d, device, resume)
         state, stopped_by, saved_at = run.state, "max_updates", run.state.update
+        if tc.init_from and state.update == 0:  # the starting model's scores: what fine-tuning has to beat
+            validate_and_save(run)
         while state.update < tc.max_updates:
             plan = next_update_plan(run)
             if plan is None:
                 stopped_by = "max_epochs"
                 break
-            batches = [collate_examples(run.epoch_split, b).to(device, non_blocking=True) for b in plan.batches]
+            batches = [
+                collate_examples(run.epoch_split, b, run.model.specials).to(device, non_blocking=True)
+                for b in plan.batches
+            ]
             lr = lr_at(state.update + 1, tc)
             step = train_step(run.trainer, batches, plan.tgt_tokens, lr, tc.clip_norm)
             if not step.finite:
@@ -153,6 +161,18 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     return TrainResult(run.model, run_dir, state.update, stopped_by)
 
 
+def fine_tuning_config(cfg: Config) -> Config:
+    """With train.init_from: the starting checkpoint's model section (the architecture is fixed by its weights) and
+    its tokenizer (data.tokenizer, unless set), so fine-tuning keeps the vocabulary; `cfg` as it is otherwise."""
+    if not cfg.train.init_from:
+        return cfg
+    start = resolve_member(cfg.train.init_from)
+    changes = {"model": ckpt.read_config(start).to_dict()["model"]}
+    if not cfg.data.tokenizer:
+        changes["data.tokenizer"] = str(start)
+    return cfg.replace(**changes)
+
+
 def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume: bool) -> Run:
     """Data, model (same initialisation on every rank), optimizer and precision; the checkpoint when resuming."""
     tc = cfg.train
@@ -164,8 +184,14 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
     usable = usable_examples(train_split, cfg)
     torch.manual_seed(tc.seed)
     random.seed(tc.seed)
-    model = Transformer(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint).to(device)
+    model = Transformer(
+        cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint, tokenizer.specials
+    ).to(device)
     logger.info(f"model: {model.num_parameters():,} parameters ({model.describe()})")
+    if tc.init_from and not resume:
+        start = resolve_member(tc.init_from)
+        ckpt.load_weights(model, start)
+        logger.info(f"fine-tuning: weights from {start}, a fresh optimizer")
     precision, why = choose_precision(tc.precision, device, cfg.model.d_model, cfg.model.d_ff)
     started = ckpt.read_metadata(ckpt.last_checkpoint(run_dir)).get("train_precision") if resume else None
     if tc.precision == "auto" and started in DTYPES and started != precision:
@@ -239,8 +265,8 @@ def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
     return split
 
 
-def collate_examples(split: EncodedSplit | SampledSplit, indices: np.ndarray, max_len: int = 0) -> Batch:
-    return collate([split.src(i) for i in indices], [split.tgt(i) for i in indices], max_len)
+def collate_examples(split: EncodedSplit | SampledSplit, indices: np.ndarray, specials: Specials) -> Batch:
+    return collate([split.src(i) for i in indices], [split.tgt(i) for i in indices], specials=specials)
 
 
 def skip_nonfinite_update(run: Run) -> None:

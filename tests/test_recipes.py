@@ -15,6 +15,7 @@ from mtcli.model import Transformer
 from mtcli.train import train
 
 SHIPPED = shipped_config_names()
+FINE_TUNING = "finetune.yaml"  # its model and data come from the command line (train.init_from, data.path)
 # The CPU recipes whose figures the README reports, with the shared corpus each is trained on.
 RECIPES = {"multi30k.yaml": "multi30k", "tatoeba-en-zh.yaml": "tatoeba-zh-en"}
 
@@ -28,12 +29,21 @@ def claimed(name: str) -> tuple[int, int]:
     return int(found[1].replace(",", "")), int(found[2].replace(",", ""))
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", [n for n in SHIPPED if n != FINE_TUNING])
 def test_every_shipped_config_builds_the_model_its_header_claims(name):
     cfg = load_config(name)
     parameters, vocab = claimed(name)
     assert cfg.data.vocab_size == vocab
     assert Transformer(cfg.model, vocab, vocab, cfg.data.joint_vocab).num_parameters() == parameters
+
+
+def test_the_fine_tuning_config_asks_for_its_data_and_starts_from_a_checkpoint():
+    from mtcli.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(FINE_TUNING)
+    cfg = load_config(FINE_TUNING, ["data.path=corpus", "train.init_from=runs/opus-en-de"])
+    assert cfg.train.schedule == "constant" and cfg.train.lr < 1e-4 and cfg.train.patience > 0
 
 
 @pytest.mark.slow

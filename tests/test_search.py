@@ -13,7 +13,7 @@ from mtcli.config import ModelConfig
 from mtcli.ensemble import Ensemble
 from mtcli.model import Transformer
 from mtcli.search import beam_search, greedy_search, length_penalty, max_output_lengths, sample
-from mtcli.tokenizer import BOS, EOS, PAD
+from mtcli.tokenizer import BOS, EOS, MTCLI_SPECIALS, PAD
 
 VOCAB = 30
 
@@ -28,6 +28,7 @@ class MockModel(nn.Module):
         super().__init__()
         self.table, self.vocab, self.default = table, vocab, default or {EOS: 1.0}
         self.cfg = SimpleNamespace(d_model=2, heads=1)
+        self.specials = MTCLI_SPECIALS
         self.decoder = [None]
         self.dummy = nn.Parameter(torch.zeros(1))
 
@@ -291,15 +292,19 @@ def test_search_never_returns_an_empty_output_by_default():
     assert beam_search(model, src, mask, max_lens, beam_size=3, min_len=0)[0][0].tokens == []
 
 
-def test_old_checkpoints_read_with_min_len_one():
-    # Checkpoints written before decode.min_len defaulted to 1 stored min_len 0 (the old default): read as 1.
+def test_old_checkpoints_read_as_they_behaved():
+    # Checkpoints written before decode.min_len defaulted to 1 stored min_len 0 (the old default): read as 1. Before
+    # data.clean existed no filter ran: read as all off, so such a run resumes on the data it was trained on.
     import json
 
     from mtcli.checkpoint import checkpoint_config
 
     config = json.dumps({"data": {"dataset": "toy"}, "decode": {"min_len": 0}})
-    assert checkpoint_config({"config": config}).decode.min_len == 1
-    assert checkpoint_config({"config": config, "config_version": "2"}).decode.min_len == 0
+    old = checkpoint_config({"config": config})
+    assert old.decode.min_len == 1
+    assert not (old.data.clean.duplicates or old.data.clean.copies or old.data.clean.max_repeat)
+    new = checkpoint_config({"config": config, "config_version": "3"})
+    assert new.decode.min_len == 0 and new.data.clean.duplicates
 
 
 def test_no_repeat_ngram_blocks_repeats():

@@ -1,0 +1,309 @@
+"""MarianMT (Hugging Face Transformers; the ~1,500 Helsinki-NLP opus-mt models) and mtcli: one map between their
+weight names, used both ways (`mtcli import --hf` here, `mtcli export --format hf` in export.py).
+
+An opus-mt model is the paper's post-norm Transformer with a few choices of its own, each held exactly by mtcli:
+swish (SiLU) activations, a fixed output bias (`final_logits_bias`), embeddings scaled by sqrt(d_model), sinusoids
+laid out as [sin | cos] halves, and its own vocabulary: vocab.json maps SentencePiece pieces to model ids (eos 0,
+unk 1, pad = decoder start = the last id). mtcli keeps the model's ids (`MarianVocabTokenizer`) and turns the halves
+layout into its interleaved one by permuting the model dimension, which changes no output. What mtcli cannot hold
+exactly is refused with the reason, never imported approximately.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from mtcli.errors import MtcliError
+
+# mtcli's names inside a layer -> the HF names whose rows, concatenated, make the tensor (fused q/k/v and k/v)
+_SHARED_LAYER = {
+    "self_attn.qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+    "self_attn.out": ["self_attn.out_proj"],
+    "norm1": ["self_attn_layer_norm"],
+    "ffn.up": ["fc1"],
+    "ffn.down": ["fc2"],
+}
+_ENCODER_LAYER = {"norm2": ["final_layer_norm"]}
+_DECODER_LAYER = {
+    "cross_attn.q": ["encoder_attn.q_proj"],
+    "cross_attn.kv": ["encoder_attn.k_proj", "encoder_attn.v_proj"],
+    "cross_attn.out": ["encoder_attn.out_proj"],
+    "norm2": ["encoder_attn_layer_norm"],
+    "norm3": ["final_layer_norm"],
+}
+
+
+def layer_weight_map(n_encoder: int, n_decoder: int, pre_norm: bool) -> dict[str, list[str]]:
+    """mtcli parameter name -> the HF parameter names (MarianMT, or Blenderbot for pre-norm) whose tensors,
+    concatenated along dim 0, make it. Embeddings, output and positions are mapped by the callers."""
+    names: dict[str, list[str]] = {}
+    for side, n, own in (("encoder", n_encoder, _ENCODER_LAYER), ("decoder", n_decoder, _DECODER_LAYER)):
+        for i in range(n):
+            for mt, hf in {**_SHARED_LAYER, **own}.items():
+                for kind in ("weight", "bias"):
+                    names[f"{side}.{i}.{mt}.{kind}"] = [f"model.{side}.layers.{i}.{h}.{kind}" for h in hf]
+    if pre_norm:  # the final LayerNorm of each stack
+        for side in ("encoder", "decoder"):
+            for kind in ("weight", "bias"):
+                names[f"{side}_norm.{kind}"] = [f"model.{side}.layer_norm.{kind}"]
+    return names
+
+
+def interleaved_to_halves(d: int) -> torch.Tensor:
+    """The permutation of the model dimension that turns mtcli's sinusoid layout (sin on even dimensions, cos on odd
+    ones) into MarianMT's (sin on the first half, cos on the second): HF dimension j is mtcli dimension perm[j]."""
+    return torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+
+
+def permute_model_dimension(sd: dict[str, torch.Tensor], perm: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The same network with its residual stream's dimensions reordered by `perm` (new dimension j = old perm[j]):
+    embeddings, LayerNorms, the inputs of every projection that reads the stream and the outputs of every one that
+    writes it. LayerNorm and attention are indifferent to the order, so every output is unchanged."""
+    out = {}
+    for name, t in sd.items():
+        if name.endswith(("embed.weight", "output.weight", "learned_positions.weight")):
+            t = t[:, perm]  # (rows, d)
+        elif "norm" in name or name.endswith((".out.weight", ".down.weight", ".out.bias", ".down.bias")):
+            t = t[perm]  # LayerNorms, and the projections that write the stream: output rows
+        elif name.endswith(("qkv.weight", ".q.weight", ".kv.weight", ".up.weight")):
+            t = t[:, perm]  # reads the stream: input columns
+        out[name] = t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Import: an opus-mt folder (or Hub name) -> an mtcli run directory
+
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
+ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
+
+
+def resolve_source(source: str, revision: str | None = None) -> Path:
+    """A local MarianMT folder as it is; a Hub name (`Helsinki-NLP/opus-mt-en-de`) downloaded with huggingface_hub,
+    after a probe that fails within seconds when the Hub is out of reach."""
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise MtcliError(f"--hf {source}: no such folder (give a MarianMT model folder or a Hub name)")
+    from huggingface_hub import snapshot_download
+
+    from mtcli.hub import hub_offline, require_hub
+
+    if not hub_offline():
+        require_hub(f"the model `{source}`", "A local folder works instead: mtcli import --hf PATH_TO_MODEL_FOLDER")
+    patterns = ["*.json", "*.spm", "*.safetensors", "pytorch_model.bin"]
+    try:
+        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
+    except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds: not found, gated, offline, ...
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise MtcliError(f"--hf {source}: download failed ({reason}); a local model folder works too") from None
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise MtcliError(f"{path}: missing; a MarianMT model folder has config.json, {', '.join(TOKENIZER_FILES)}")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MtcliError(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(value, dict):
+        raise MtcliError(f"{path}: expected a JSON object")
+    return value
+
+
+def check_marian_config(hf: dict, where: Path) -> None:
+    """Refuse, with the reason, what mtcli's Transformer cannot compute exactly."""
+
+    def refuse(why: str) -> None:
+        raise MtcliError(f"{where}: {why}; mtcli imports only what it computes exactly")
+
+    if hf.get("model_type") != "marian":
+        refuse(f"model_type is `{hf.get('model_type')}`, not `marian` (mtcli imports MarianMT / opus-mt models)")
+    activation = hf.get("activation_function", "gelu")
+    if activation not in ACTIVATIONS:
+        refuse(f"activation_function `{activation}` (mtcli has {', '.join(sorted(ACTIVATIONS))})")
+    for key in ("encoder_attention_heads", "encoder_ffn_dim"):
+        other = key.replace("encoder", "decoder")
+        if hf.get(key) != hf.get(other):
+            refuse(f"{key} ({hf.get(key)}) differs from {other} ({hf.get(other)}): mtcli's stacks share one value")
+    if not hf.get("static_position_embeddings", True):
+        refuse("learned position embeddings (static_position_embeddings: false)")
+    if hf.get("normalize_before") or hf.get("normalize_embedding") or hf.get("add_final_layer_norm"):
+        refuse("pre-norm or extra embedding LayerNorms (normalize_before / normalize_embedding)")
+    shared = hf.get("share_encoder_decoder_embeddings", True)
+    if shared and not hf.get("tie_word_embeddings", True):
+        refuse("shared encoder/decoder embeddings with a separate output matrix (mtcli ties all three or none)")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, from model.safetensors or pytorch_model.bin. The .bin file is read with
+    weights_only=True: a pickle that would run code is refused, never executed."""
+    path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
+    if path is None:
+        raise MtcliError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            weights = load_file(str(path))
+        else:
+            with warnings.catch_warnings():  # torch warns about pickle protocols before refusing: the error says it
+                warnings.simplefilter("ignore")
+                weights = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise MtcliError(
+            f"{path}: refused: it holds pickled objects besides tensors, and loading them could run code; use a "
+            "copy with model.safetensors from a source you trust"
+        ) from None
+    except Exception as e:  # noqa: BLE001 - a damaged or truncated file: one line whatever the library raised
+        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        raise MtcliError(f"{path}: not a readable checkpoint ({type(e).__name__}: {reason})") from None
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        raise MtcliError(f"{path}: expected a mapping of names to tensors")
+    # Some older files omit the base model's `model.` prefix
+    return {
+        k if k.startswith(("model.", "lm_head", "final_logits_bias")) else f"model.{k}": v for k, v in weights.items()
+    }
+
+
+def mtcli_weights(hf_sd: dict[str, torch.Tensor], hf: dict, cfg) -> dict[str, torch.Tensor]:
+    """HF MarianMT tensors under mtcli's names, in mtcli's (interleaved) model dimension order."""
+
+    def first(*names: str) -> torch.Tensor:
+        for name in names:
+            if name in hf_sd:
+                return hf_sd[name]
+        raise MtcliError(f"the checkpoint has none of {', '.join(names)}")
+
+    shared = hf.get("share_encoder_decoder_embeddings", True)
+    src = first("model.encoder.embed_tokens.weight", "model.shared.weight")
+    tgt = first("model.shared.weight") if shared else first("model.decoder.embed_tokens.weight")
+    sd = {"src_embed.weight": src, "tgt_embed.weight": tgt}
+    sd["output.weight"] = tgt if hf.get("tie_word_embeddings", True) else first("lm_head.weight")
+    if "final_logits_bias" in hf_sd:
+        sd["output_bias"] = hf_sd["final_logits_bias"].reshape(-1)
+    else:
+        sd["output_bias"] = torch.zeros(tgt.shape[0])
+    for mt, names in layer_weight_map(cfg.n_encoder_layers, cfg.n_decoder_layers, pre_norm=False).items():
+        sd[mt] = torch.cat([first(name) for name in names])
+    inverse = torch.argsort(interleaved_to_halves(cfg.d_model))  # halves -> mtcli's interleaved sinusoids
+    return {k: v.float().contiguous() for k, v in permute_model_dimension(sd, inverse).items()}
+
+
+def write_special_ids(hf: dict, folder: Path, out: Path) -> Path:
+    """The model's special ids from config.json (opus-mt: eos 0, pad = decoder start = the last id; a model mtcli
+    exported: its own 0-3), beside the vocabulary, where MarianVocabTokenizer reads them."""
+    vocab = json.loads((out / "vocab.json").read_text(encoding="utf-8"))
+    ids = {"pad": hf.get("pad_token_id"), "bos": hf.get("decoder_start_token_id"), "eos": hf.get("eos_token_id")}
+    ids["unk"] = vocab.get("<unk>")
+    size = hf.get("decoder_vocab_size") or hf.get("vocab_size")
+    bad = [k for k, v in ids.items() if not isinstance(v, int) or not 0 <= v < (size or 0)]
+    if bad:
+        raise MtcliError(
+            f"{folder / 'config.json'}: no valid {', '.join(bad)} token id (pad_token_id, eos_token_id, ...)"
+        )
+    path = out / "special_ids.json"
+    path.write_text(json.dumps(ids), encoding="utf-8")
+    return path
+
+
+def copy_tokenizer_files(folder: Path, separate: bool, out: Path) -> list[Path]:
+    names = [*TOKENIZER_FILES, *(["target_vocab.json"] if separate else [])]
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise MtcliError(f"{folder}: missing {', '.join(missing)} (a MarianMT tokenizer needs {', '.join(names)})")
+    for name in names:
+        shutil.copyfile(folder / name, out / name)
+    return [out / name for name in names]
+
+
+def import_marian(source: str, out: Path, revision: str | None = None) -> Path:
+    """Write an mtcli run directory (config.yaml, the tokenizer, checkpoints/update_00000000 as `best`) holding the
+    MarianMT model at `source`; `translate`, `eval`, `export`, `train --set train.init_from=...` take it."""
+    from mtcli.checkpoint import list_checkpoints
+    from mtcli.tokenizer import MarianVocabTokenizer
+
+    folder, out = resolve_source(source, revision), Path(out)
+    hf = read_json(folder / "config.json")
+    check_marian_config(hf, folder / "config.json")
+    tokenizer_config = (
+        read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    )
+    separate = bool(tokenizer_config.get("separate_vocabs", False))
+    if list_checkpoints(out):
+        raise MtcliError(f"--out {out} already holds checkpoints; choose another folder")
+    hf_sd = read_weights(folder)  # before anything is written: a refused file leaves no half-made run
+    out.mkdir(parents=True, exist_ok=True)
+    written = copy_tokenizer_files(folder, separate, out)
+    written.append(write_special_ids(hf, folder, out))
+    try:
+        return _import_into(out, folder, hf, hf_sd, tokenizer_config, MarianVocabTokenizer(out), separate, source)
+    except MtcliError:
+        for path in written:  # a refused import leaves no half-made run behind
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _import_into(out: Path, folder: Path, hf: dict, hf_sd: dict, tokenizer_config: dict, tokenizer, separate, source):
+    from mtcli.checkpoint import checkpoint_dir, save_checkpoint, write_json_atomic
+    from mtcli.model import Transformer
+
+    sizes = {"vocab_size": tokenizer.src_vocab_size}
+    sizes["decoder_vocab_size"] = tokenizer.tgt_vocab_size if separate else tokenizer.src_vocab_size
+    for key, size in sizes.items():
+        expected = hf.get(key) or hf.get("vocab_size")
+        if size != expected:
+            raise MtcliError(f"{folder}: config.json's {key} is {expected}, but the vocabulary file has {size} entries")
+    config = marian_run_config(
+        hf, tokenizer_config, read_optional_json(folder / "generation_config.json"), out.name, separate
+    )
+    model = Transformer(config.model, *sizes.values(), tokenizer.joint, tokenizer.specials)
+    weights = mtcli_weights(hf_sd, hf, config.model)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise MtcliError(f"{folder}: the weights do not fit the model config.json describes ({str(e)[:300]})") from None
+    (out / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    path = save_checkpoint(out, 0, model, config, tokenizer, metadata={"imported_from": str(source)})
+    write_json_atomic(checkpoint_dir(out) / "best.json", {"checkpoint": path.name, "update": 0, "metric": "imported"})
+    return out
+
+
+def read_optional_json(path: Path) -> dict:
+    return read_json(path) if path.is_file() else {}
+
+
+def marian_run_config(hf: dict, tokenizer_config: dict, generation: dict, name: str, separate: bool):
+    """The mtcli config of an imported model: its architecture, languages and beam size. The length penalty is
+    mtcli's GNMT one, at 0 (none): Transformers divides scores by length ** length_penalty, a different formula."""
+    from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
+
+    model = ModelConfig(
+        layers=hf["encoder_layers"],
+        encoder_layers=hf["encoder_layers"],
+        decoder_layers=hf["decoder_layers"],
+        d_model=hf["d_model"],
+        heads=hf["encoder_attention_heads"],
+        d_ff=hf["encoder_ffn_dim"],
+        dropout=hf.get("dropout", 0.1),
+        attention_dropout=hf.get("attention_dropout", 0.0),
+        activation_dropout=hf.get("activation_dropout", 0.0),
+        activation=ACTIVATIONS[hf.get("activation_function", "gelu")],
+        norm="post",
+        max_positions=hf.get("max_position_embeddings", 1024),
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+        scale_embedding=hf.get("scale_embedding", False),  # MarianConfig's defaults; opus-mt sets true
+        output_bias=True,
+    )
+    src_lang, tgt_lang = tokenizer_config.get("source_lang") or "src", tokenizer_config.get("target_lang") or "tgt"
+    data = DataConfig(src_lang=str(src_lang), tgt_lang=str(tgt_lang), joint_vocab=not separate)
+    decode = DecodeConfig(beam=max(1, int(generation.get("num_beams", hf.get("num_beams", 4)) or 4)), lenpen=0.0)
+    return Config(name=name, data=data, model=model, decode=decode)
