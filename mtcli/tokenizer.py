@@ -150,9 +150,10 @@ class Tokenizer:
         return [self.tgt.id_to_piece(i) for i in ids]
 
     def decode_tgt(self, ids: list[list[int]]) -> list[str]:
-        """Subword ids (specials are dropped) back to detokenized text."""
+        """Subword ids (specials are dropped) back to detokenized text, without surrounding whitespace (a lone final
+        "▁" piece would leave a trailing space; MarianTokenizer strips it too, so exports decode alike)."""
         clean = [[i for i in seq if i > EOS] for seq in ids]
-        return self.tgt.decode(clean, num_threads=self.threads)
+        return [text.strip() for text in self.tgt.decode(clean, num_threads=self.threads)]
 
 
 class MarianVocabTokenizer(Tokenizer):
