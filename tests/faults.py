@@ -480,6 +480,7 @@ def bad_inputs(work: Path, cache: Path) -> int:
         return folder
 
     text = "\n".join(lines) + "\n"
+    target = "\n".join(f"{line} !" for line in lines) + "\n"  # not a copy of the source (data.clean.copies)
     base = [
         "data",
         "prepare",
@@ -517,11 +518,11 @@ def bad_inputs(work: Path, cache: Path) -> int:
         tried += 1
         record(name, ok and no_half_cache(), detail)
     # Accepted: a byte-order mark, CRLF line ends; filtered and counted: a 1 MB line.
-    bom = prepare(make("bom", b"\xef\xbb\xbf" + text.encode(), text))
-    prepare(make("plain", text, text))
-    crlf = prepare(make("crlf", text.replace("\n", "\r\n"), text.replace("\n", "\r\n")))
+    bom = prepare(make("bom", b"\xef\xbb\xbf" + text.encode(), target))
+    prepare(make("plain", text, target))
+    crlf = prepare(make("crlf", text.replace("\n", "\r\n"), target.replace("\n", "\r\n")))
     long_line = ("the cat " * 131_072).strip()  # 1 MB of words: far over data.max_len subwords
-    long_ = prepare(make("long", text + long_line + "\n", text + "die Katze\n"))
+    long_ = prepare(make("long", text + long_line + "\n", target + "die Katze\n"))
     tried += 3
     record(
         "a byte-order mark is accepted (and is not part of the first sentence)",
