@@ -1,15 +1,15 @@
 """Exports of a trained checkpoint to the tools people deploy: Hugging Face Transformers and CTranslate2.
 
 - Hugging Face (`export_hf`): post-norm models become MarianMT (the paper's layout: post-norm layers, scaled
-  embeddings, sinusoidal positions stored as a table); pre-norm models become Blenderbot's encoder-decoder (pre-norm
-  layers with a final LayerNorm on each stack, scaled embeddings, a stored position table). mtcli's own position table
-  (interleaved sin/cos, or the learned one) is written into the model's position weights, so no permutation of the
-  model dimension is needed. The tokenizer is a MarianTokenizer over mtcli's SentencePiece model with mtcli's ids,
-  so `AutoTokenizer` segments exactly as mtcli does. (M2M100/NLLB, the other pre-norm family, computes its
-  sinusoids with other frequencies and offsets them by the pad id, in a table it does not load: it cannot hold an
-  mtcli model exactly.) MarianMT holds every embedding layout mtcli trains (one shared matrix, separate
-  vocabularies, untied output); Blenderbot has one embedding for encoder and decoder, so a pre-norm model with
-  separate vocabularies or untied embeddings goes to CTranslate2 instead.
+  embeddings, sinusoids that MarianMT computes itself as [sin | cos] halves, so the model dimension is permuted to
+  that layout; mtcli.marian holds the map, which `mtcli import` reads the other way); pre-norm models become
+  Blenderbot's encoder-decoder (pre-norm layers with a final LayerNorm on each stack, scaled embeddings, a stored
+  position table into which mtcli's own table is written). The tokenizer is a MarianTokenizer over mtcli's
+  SentencePiece model with mtcli's ids (or an imported model's own files), so `AutoTokenizer` segments as mtcli
+  does. (M2M100/NLLB, the other pre-norm family, computes its sinusoids with other frequencies and offsets them by
+  the pad id, in a table it does not load: it cannot hold an mtcli model exactly.) MarianMT holds every embedding
+  layout mtcli trains (one shared matrix, separate vocabularies, untied output); Blenderbot has one embedding for
+  encoder and decoder, so a pre-norm model with separate vocabularies or untied embeddings goes to CTranslate2.
 - CTranslate2 (`export_ctranslate2`): a TransformerSpec filled from the checkpoint through CTranslate2's converter
   API (a `Converter` subclass), quantized as asked, with the SentencePiece model(s) beside it under a run
   directory's names (`spm.model`, or `spm.src.model` and `spm.tgt.model`). Any layout mtcli trains.
