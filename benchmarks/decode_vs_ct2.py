@@ -1,0 +1,124 @@
+"""mtcli's decoder against CTranslate2 on the same model: `make bench`'s 800-update model (benchmarks/cache), exported
+with `mtcli export --format ctranslate2`, translating test_2016_flickr with the peers' decoding spec (length-sorted
+batches of 64 sentences, one untimed warm-up batch, beam 5 and greedy) in alternating rounds, each engine in fp32
+and int8 (mtcli also in bf16 where the CPU has bf16 units), 2 threads.
+
+The same weights and vocabulary on both sides, so speed differences are the decoders' own; the peers' decode.sh
+compares against a separately trained HF Marian model instead. Length penalty: CTranslate2 divides by length ** 1.0,
+mtcli by GNMT's ((5 + length) / 6) ** 1.0 (the spec's setting, as make bench); the BLEU of each is printed, and the
+outputs' total length so that a speed gap is not a length gap. Output lengths: CTranslate2 at most 128 tokens, mtcli
+2 x source + 20.
+
+    python benchmarks/decode_vs_ct2.py [--rounds 3] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench import CACHE, CONFIG, decode_model, machine  # noqa: E402
+
+from mtcli.config_loader import load_config  # noqa: E402
+from mtcli.data import eval_texts  # noqa: E402
+from mtcli.device import cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
+from mtcli.evaluate import score  # noqa: E402
+from mtcli.export import export_ctranslate2  # noqa: E402
+from mtcli.translate import Translator  # noqa: E402
+
+BATCH = 64
+
+
+def mtcli_engine(checkpoint: Path, precision: str, beam: int, sources: list[str]):
+    translator = Translator.from_checkpoint(checkpoint, device="cpu", precision=precision)
+    decode = replace(
+        translator.config.decode, beam=beam, nbest=1, lenpen=1.0, batch_tokens=10**9, batch_sentences=BATCH
+    )
+    translator.translate(sources[:BATCH], decode)  # warm-up
+
+    def run() -> list[str]:
+        return translator.translate(sources, decode)
+
+    return run
+
+
+def ct2_engine(model_dir: Path, compute_type: str, beam: int, sources: list[str], tokenizer):
+    import ctranslate2
+
+    engine = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type, intra_threads=2)
+    pieces = [tokenizer.src.encode(s, out_type=str) for s in sources]  # the model's config appends EOS
+    order = sorted(range(len(pieces)), key=lambda i: len(pieces[i]))
+    options = dict(beam_size=beam, length_penalty=1.0, max_decoding_length=128, max_batch_size=BATCH)
+    engine.translate_batch([pieces[i] for i in order[:BATCH]], **options)  # warm-up
+
+    def run() -> list[str]:
+        hyps = [""] * len(pieces)
+        for start in range(0, len(order), BATCH):
+            batch = order[start : start + BATCH]
+            for i, result in zip(batch, engine.translate_batch([pieces[i] for i in batch], **options)):
+                hyps[i] = tokenizer.tgt.decode(result.hypotheses[0]).strip()
+        return hyps
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args()
+    cfg = load_config(CONFIG)
+    torch.set_num_threads(cfg.train.threads)
+    keep_freed_memory()
+    keep_onednn_kernels()
+    checkpoint = decode_model("fp32")
+    model_dir = export_ctranslate2(checkpoint, CACHE / "ct2-800")
+    sources, references = eval_texts(cfg, "test")
+    tokenizer = Translator.from_checkpoint(checkpoint, device="cpu", precision="fp32").tokenizer
+    mtcli_precisions = ["fp32", "bf16", "int8"] if cpu_bf16_units() else ["fp32", "int8"]
+    engines = {}
+    for beam, mode in ((5, "beam5"), (1, "greedy")):
+        for p in mtcli_precisions:
+            engines[f"mtcli_{p}_{mode}"] = mtcli_engine(checkpoint, p, beam, sources)
+        for p in ("float32", "int8"):
+            engines[f"ctranslate2_{p}_{mode}"] = ct2_engine(model_dir, p, beam, sources, tokenizer)
+    speeds = {name: [] for name in engines}
+    quality = {}
+    for i in range(args.rounds):
+        names = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate the order: a drifting host
+        for name in names:
+            start = time.perf_counter()
+            hyps = engines[name]()
+            speeds[name].append(len(sources) / (time.perf_counter() - start))
+            if name not in quality:
+                words = sum(len(h.split()) for h in hyps)
+                quality[name] = {"bleu": score(hyps, references, "de")["bleu"], "words": words}
+        print(f"round {i + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in speeds.items()), flush=True)
+    results = {"machine": machine(), "checkpoint": str(checkpoint.relative_to(ROOT)), "sentences": len(sources)}
+    for name, values in speeds.items():
+        results[name] = {"sent_per_s_rounds": values, "sent_per_s_median": statistics.median(values), **quality[name]}
+    print(f"\n{'engine':<28} sentences/s (median; rounds)          BLEU   words")
+    for name in engines:
+        r = results[name]
+        rounds = ", ".join(f"{v:.1f}" for v in r["sent_per_s_rounds"])
+        print(f"{name:<28} {r['sent_per_s_median']:7.1f} ({rounds})  {r['bleu']:6.2f}  {r['words']}")
+    for mode in ("beam5", "greedy"):
+        for mine, theirs in (("fp32", "float32"), ("int8", "int8")):
+            a, b = results[f"mtcli_{mine}_{mode}"], results[f"ctranslate2_{theirs}_{mode}"]
+            print(f"{mode} {mine}: mtcli / CTranslate2 = {a['sent_per_s_median'] / b['sent_per_s_median']:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
