@@ -221,16 +221,18 @@ def decode_model(precision: str) -> Path:
     return ckpt
 
 
+def peers_decode_spec(translator: Translator, beam: int):
+    """The peers' decoding spec as mtcli decode settings: batches of 64 sentences, length penalty exponent 1.0 (HF and
+    CTranslate2 divide by length ** 1.0, mtcli by GNMT's ((5 + length) / 6) ** 1.0)."""
+    return replace(translator.config.decode, beam=beam, nbest=1, lenpen=1.0, batch_tokens=10**9, batch_sentences=64)
+
+
 def bench_decoding(cfg, checkpoint: Path, precision: str, modes=(("greedy", 1), ("beam5", 5))) -> dict:
     translator = Translator.from_checkpoint(checkpoint, device="cpu", precision=precision)
     sources, references = eval_texts(cfg, "test")
     results = {}
     for name, beam in modes:
-        # The peers' decoding spec: batches of 64 sentences, length penalty exponent 1.0 (HF and CTranslate2 divide
-        # by length ** 1.0, mtcli by GNMT's ((5 + length) / 6) ** 1.0).
-        decode = replace(
-            translator.config.decode, beam=beam, nbest=1, lenpen=1.0, batch_tokens=10**9, batch_sentences=64
-        )
+        decode = peers_decode_spec(translator, beam)
         translator.translate(sources[:64], decode)  # warm-up
         start = time.perf_counter()
         hyps = translator.translate_nbest(sources, decode)

@@ -19,7 +19,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import CACHE, CONFIG, decode_model, machine  # noqa: E402
+from bench import CACHE, CONFIG, decode_model, machine, peers_decode_spec  # noqa: E402
 
 from mtcli.config_loader import load_config  # noqa: E402
 from mtcli.data import eval_texts  # noqa: E402
@@ -41,9 +40,7 @@ BATCH = 64
 
 def mtcli_engine(checkpoint: Path, precision: str, beam: int, sources: list[str]):
     translator = Translator.from_checkpoint(checkpoint, device="cpu", precision=precision)
-    decode = replace(
-        translator.config.decode, beam=beam, nbest=1, lenpen=1.0, batch_tokens=10**9, batch_sentences=BATCH
-    )
+    decode = peers_decode_spec(translator, beam)
     translator.translate(sources[:BATCH], decode)  # warm-up
 
     def run() -> list[str]:

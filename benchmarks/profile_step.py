@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench import CONFIG, gemm_peak_gflops  # noqa: E402
+from bench import CONFIG, gemm_peak_gflops, peers_decode_spec  # noqa: E402
 from flops import training_flops  # noqa: E402
 
 from mtcli.batching import collate, epoch_batches  # noqa: E402
@@ -85,9 +84,7 @@ def profile_train(args, cfg, data) -> None:
 def profile_decode(args, cfg) -> None:
     translator = Translator.from_checkpoint(args.checkpoint, device="cpu", precision=args.precision)
     sources = eval_texts(cfg, "test")[0][: args.sentences]
-    decode = replace(
-        translator.config.decode, beam=args.beam, nbest=1, lenpen=1.0, batch_tokens=10**9, batch_sentences=64
-    )
+    decode = peers_decode_spec(translator, args.beam)
     translator.translate(sources[:64], decode)  # warm-up
     start = time.perf_counter()
     translator.translate(sources, decode)
