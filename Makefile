@@ -44,7 +44,7 @@ lint: install
 	$(BIN)/ruff format --check mtcli tests benchmarks docs
 
 bench: install
-	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
 
 # mtcli serve under 1, 8 and 64 concurrent clients on localhost (Multi30k test sentences): sentences/s and p50/p95/p99
 # latency, beside offline `mtcli translate --input` on the same sentences. BENCH_SERVE_ARGS=--run DIR picks the model.

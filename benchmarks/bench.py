@@ -19,18 +19,26 @@ every precision this CPU runs well.
    int8: sentences/s, target tokens/s and BLEU.
 Writes benchmarks/results.json and prints a table. Needs ../shared/data/multi30k. `--quick` skips the 800-update
 models and decoding; `--skip-base` the base-size part.
+
+`--peers` measures the peers in the same run, back to back (set them up first: `bash ../shared/peers/setup.sh all`):
+fairseq and HF Marian (`../shared/peers/bench.sh all`) and Marian C++ (`benchmarks/marian_peer.py`) train the same
+spec first, each under the peers' CPU lock; then mtcli's own figures above, holding that lock; then CTranslate2 and
+mtcli decode the same exported model (`benchmarks/decode_vs_ct2.py`). results.json gets their figures and the ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from flops import FORMULA, training_flops  # noqa: E402
+from marian_peer import LOCK, PEERS  # noqa: E402
 
 from mtcli.batching import collate, epoch_batches, padding_counts  # noqa: E402
 from mtcli.checkpoint import last_checkpoint  # noqa: E402
@@ -249,21 +258,76 @@ def bench_decoding(cfg, checkpoint: Path, precision: str, modes=(("greedy", 1), 
     return results
 
 
+def peer_training() -> dict:
+    """fairseq, HF Marian and Marian C++ on the M30K-small spec: each peer's bench.sh / marian_peer.py figures (target
+    tokens/s of updates 11-110, wall time, peak RSS, versions). The scripts take the CPU lock themselves."""
+    if not (PEERS / "bench.sh").exists():
+        sys.exit(f"bench: --peers needs {PEERS} (the peers' scripts)")
+    peers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = (
+            ["bash", str(PEERS / "bench.sh"), "all", "--json", f"{tmp}/peers.json"],
+            [sys.executable, str(ROOT / "benchmarks" / "marian_peer.py"), "--json", f"{tmp}/marian.json"],
+        )
+        for cmd in runs:
+            if subprocess.run(cmd, cwd=ROOT).returncode:
+                sys.exit(f"bench: {' '.join(cmd[:2])} failed (set the peers up with: bash {PEERS}/setup.sh all)")
+            peers.update(json.loads(Path(cmd[-1]).read_text())["peers"])
+    return peers
+
+
+@contextmanager
+def cpu_lock():
+    """The peers' CPU lock (../shared/peers/README.md): no peer runs while mtcli is timed, and the reverse."""
+    LOCK.parent.mkdir(parents=True, exist_ok=True)
+    with open(LOCK, "a") as lock:
+        print(f"bench: waiting for the CPU lock {LOCK}", flush=True)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="training only: no 800-update models, no decoding")
     parser.add_argument("--skip-base", action="store_true", help="leave out the Transformer-base training figures")
     parser.add_argument("--rounds", type=int, default=2, help="training runs per precision, in alternating order")
+    parser.add_argument("--peers", action="store_true", help="the peers in the same run (see above)")
     args = parser.parse_args()
     os.chdir(ROOT)
     if not (ROOT.parent / "shared" / "data" / "multi30k").is_dir():
         sys.exit("bench: ../shared/data/multi30k not found (the benchmark runs on the shared Multi30k copy)")
+    if args.peers and args.quick:
+        sys.exit("bench: --peers compares decoding too; leave out --quick")
     cfg = load_config(CONFIG)
     torch.set_num_threads(cfg.train.threads)
     keep_freed_memory()  # as the mtcli command does
     keep_onednn_kernels()
     data = prepare(cfg)
     results = {"machine": machine(), "config": str(CONFIG.relative_to(ROOT)), "command": "make bench"}
+    if args.peers:
+        results["command"] = "make bench BENCH_ARGS=--peers"
+        results["peers_train"] = peer_training()
+    with cpu_lock() if args.peers else nullcontext():
+        results.update(measure(cfg, data, args))
+        if args.peers:
+            from decode_vs_ct2 import compare  # it imports this module
+
+            results["peers_decode_same_model"] = compare(cfg, rounds=3)
+    if args.peers:
+        results["mtcli_over_peers_train"] = {
+            f"{precision}_over_{peer}": results[f"train_tgt_tok_per_s_{precision}"] / figures["train_tgt_tok_per_s"]
+            for peer, figures in results["peers_train"].items()
+            for precision in ("fp32", "bf16")
+            if results.get(f"train_tgt_tok_per_s_{precision}")
+        }
+    results["flops_formula"] = FORMULA
+    (ROOT / "benchmarks" / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    print_table(results)
+
+
+def measure(cfg, data, args) -> dict:
+    """mtcli's own figures: GEMM peaks, training rounds, base shapes, decoding (steps 1-4 of the docstring)."""
+    results = {}
     has_bf16 = cpu_bf16_units() is not None
     peaks = {"fp32": gemm_peak_gflops(torch.float32)}
     if has_bf16:  # ~100x slower without bf16 units
@@ -294,9 +358,7 @@ def main() -> None:
         if has_bf16:  # the training precision's effect on quality: the bf16-trained model, decoded in fp32
             trained = bench_decoding(cfg, decode_model("bf16"), "fp32", modes=(("beam5", 5),))
             results["bleu_beam5_bf16_trained"] = trained["bleu_beam5_fp32"]
-    results["flops_formula"] = FORMULA
-    (ROOT / "benchmarks" / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    print_table(results)
+    return results
 
 
 def print_table(r: dict) -> None:
@@ -368,6 +430,13 @@ def print_table(r: dict) -> None:
                 )
     if "bleu_beam5_bf16_trained" in r:
         rows.append(("beam-5 BLEU of the bf16-trained model (fp32 decoding)", f"{r['bleu_beam5_bf16_trained']:.2f}"))
+    for peer, figures in r.get("peers_train", {}).items():
+        over = r["mtcli_over_peers_train"]
+        ratios = ", ".join(f"mtcli {p} {over[f'{p}_over_{peer}']:.2f}x" for p in DTYPES if f"{p}_over_{peer}" in over)
+        rows.append((f"peer {peer}: train target tokens/s", f"{figures['train_tgt_tok_per_s']:,.0f} ({ratios})"))
+    if "peers_decode_same_model" in r:
+        same = r["peers_decode_same_model"]["mtcli_over_ctranslate2"]
+        rows.append(("decode, same model: mtcli / CTranslate2", ", ".join(f"{k} {v:.2f}x" for k, v in same.items())))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")

@@ -69,15 +69,8 @@ def ct2_engine(model_dir: Path, compute_type: str, beam: int, sources: list[str]
     return run
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, help="write the figures here too")
-    args = parser.parse_args()
-    cfg = load_config(CONFIG)
-    torch.set_num_threads(cfg.train.threads)
-    keep_freed_memory()
-    keep_onednn_kernels()
+def compare(cfg, rounds: int) -> dict:
+    """Every engine `rounds` times in alternating order; prints the table and returns the figures."""
     checkpoint = decode_model("fp32")
     model_dir = export_ctranslate2(checkpoint, CACHE / "ct2-800")
     sources, references = eval_texts(cfg, "test")
@@ -91,7 +84,7 @@ def main() -> None:
             engines[f"ctranslate2_{p}_{mode}"] = ct2_engine(model_dir, p, beam, sources, tokenizer)
     speeds = {name: [] for name in engines}
     quality = {}
-    for i in range(args.rounds):
+    for i in range(rounds):
         names = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate the order: a drifting host
         for name in names:
             start = time.perf_counter()
@@ -107,12 +100,28 @@ def main() -> None:
     print(f"\n{'engine':<28} sentences/s (median; rounds)          BLEU   words")
     for name in engines:
         r = results[name]
-        rounds = ", ".join(f"{v:.1f}" for v in r["sent_per_s_rounds"])
-        print(f"{name:<28} {r['sent_per_s_median']:7.1f} ({rounds})  {r['bleu']:6.2f}  {r['words']}")
+        rounds_text = ", ".join(f"{v:.1f}" for v in r["sent_per_s_rounds"])
+        print(f"{name:<28} {r['sent_per_s_median']:7.1f} ({rounds_text})  {r['bleu']:6.2f}  {r['words']}")
+    ratios = {}
     for mode in ("beam5", "greedy"):
         for mine, theirs in (("fp32", "float32"), ("int8", "int8")):
             a, b = results[f"mtcli_{mine}_{mode}"], results[f"ctranslate2_{theirs}_{mode}"]
-            print(f"{mode} {mine}: mtcli / CTranslate2 = {a['sent_per_s_median'] / b['sent_per_s_median']:.2f}")
+            ratios[f"{mode}_{mine}"] = a["sent_per_s_median"] / b["sent_per_s_median"]
+            print(f"{mode} {mine}: mtcli / CTranslate2 = {ratios[f'{mode}_{mine}']:.2f}")
+    results["mtcli_over_ctranslate2"] = ratios
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args()
+    cfg = load_config(CONFIG)
+    torch.set_num_threads(cfg.train.threads)
+    keep_freed_memory()
+    keep_onednn_kernels()
+    results = compare(cfg, args.rounds)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
