@@ -3,13 +3,17 @@ with `mtcli export --format ctranslate2`, translating test_2016_flickr with the 
 batches of 64 sentences, one untimed warm-up batch, beam 5 and greedy) in alternating rounds, each engine in fp32
 and int8 (mtcli also in bf16 where the CPU has bf16 units), 2 threads.
 
+Each timed pass runs in a process of its own (`--engine NAME`): with all engines in one process, the thread pools
+of the ones that had run kept the cores busy and slowed the next (mtcli's beam 5 fp32 ran at 94 sentences/s there
+against 112 alone; docs/benchmarks.md). `--one-process` keeps them together, to see that effect.
+
 The same weights and vocabulary on both sides, so speed differences are the decoders' own; the peers' decode.sh
 compares against a separately trained HF Marian model instead. Length penalty: CTranslate2 divides by length ** 1.0,
 mtcli by GNMT's ((5 + length) / 6) ** 1.0 (the spec's setting, as make bench); the BLEU of each is printed, and the
 outputs' total length so that a speed gap is not a length gap. Output lengths: CTranslate2 at most 128 tokens, mtcli
 2 x source + 20.
 
-    python benchmarks/decode_vs_ct2.py [--rounds 3] [--json PATH]
+    python benchmarks/decode_vs_ct2.py [--rounds 3] [--json PATH] [--one-process]
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,36 +75,69 @@ def ct2_engine(model_dir: Path, compute_type: str, beam: int, sources: list[str]
     return run
 
 
-def compare(cfg, rounds: int) -> dict:
-    """Every engine `rounds` times in alternating order; prints the table and returns the figures."""
-    checkpoint = decode_model("fp32")
-    model_dir = export_ctranslate2(checkpoint, CACHE / "ct2-800")
-    sources, references = eval_texts(cfg, "test")
-    tokenizer = Translator.from_checkpoint(checkpoint, device="cpu", precision="fp32").tokenizer
+def engine_names() -> list[str]:
+    """`<engine>_<precision>_<beam5|greedy>`, in the order of a round."""
     mtcli_precisions = ["fp32", "bf16", "int8"] if cpu_bf16_units() else ["fp32", "int8"]
-    engines = {}
-    for beam, mode in ((5, "beam5"), (1, "greedy")):
-        for p in mtcli_precisions:
-            engines[f"mtcli_{p}_{mode}"] = mtcli_engine(checkpoint, p, beam, sources)
-        for p in ("float32", "int8"):
-            engines[f"ctranslate2_{p}_{mode}"] = ct2_engine(model_dir, p, beam, sources, tokenizer)
-    speeds = {name: [] for name in engines}
+    names = []
+    for mode in ("beam5", "greedy"):
+        names += [f"mtcli_{p}_{mode}" for p in mtcli_precisions]
+        names += [f"ctranslate2_{p}_{mode}" for p in ("float32", "int8")]
+    return names
+
+
+def build_engine(name: str, checkpoint: Path, sources: list[str]):
+    """A warmed-up engine: a function translating all of `sources`."""
+    kind, precision, mode = name.split("_")
+    beam = 5 if mode == "beam5" else 1
+    if kind == "mtcli":
+        return mtcli_engine(checkpoint, precision, beam, sources)
+    tokenizer = Translator.from_checkpoint(checkpoint, device="cpu", precision="fp32").tokenizer
+    return ct2_engine(CACHE / "ct2-800", precision, beam, sources, tokenizer)
+
+
+def timed(run, sources: list[str]) -> tuple[float, list[str]]:
+    start = time.perf_counter()
+    hyps = run()
+    return len(sources) / (time.perf_counter() - start), hyps
+
+
+def run_in_child(name: str) -> tuple[float, list[str]]:
+    """One timed pass of one engine in a fresh process (this script with --engine)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "pass.json"
+        subprocess.run([sys.executable, __file__, "--engine", name, "--pass-out", str(out)], check=True)
+        figures = json.loads(out.read_text())
+    return figures["sent_per_s"], figures["hyps"]
+
+
+def compare(cfg, rounds: int, one_process: bool = False) -> dict:
+    """Every engine `rounds` times in alternating order, each pass in its own process unless `one_process`; prints the
+    table and returns the figures."""
+    checkpoint = decode_model("fp32")
+    export_ctranslate2(checkpoint, CACHE / "ct2-800")
+    sources, references = eval_texts(cfg, "test")
+    names = engine_names()
+    engines = {name: build_engine(name, checkpoint, sources) for name in names} if one_process else {}
+    speeds = {name: [] for name in names}
     quality = {}
     for i in range(rounds):
-        names = list(engines) if i % 2 == 0 else list(engines)[::-1]  # alternate the order: a drifting host
-        for name in names:
-            start = time.perf_counter()
-            hyps = engines[name]()
-            speeds[name].append(len(sources) / (time.perf_counter() - start))
+        for name in names if i % 2 == 0 else names[::-1]:  # alternate the order: a drifting host
+            speed, hyps = timed(engines[name], sources) if one_process else run_in_child(name)
+            speeds[name].append(speed)
             if name not in quality:
                 words = sum(len(h.split()) for h in hyps)
                 quality[name] = {"bleu": score(hyps, references, "de")["bleu"], "words": words}
         print(f"round {i + 1}: " + ", ".join(f"{n} {v[-1]:.1f}" for n, v in speeds.items()), flush=True)
-    results = {"machine": machine(), "checkpoint": str(checkpoint.relative_to(ROOT)), "sentences": len(sources)}
+    results = {
+        "machine": machine(),
+        "checkpoint": str(checkpoint.relative_to(ROOT)),
+        "sentences": len(sources),
+        "processes": "one for all engines" if one_process else "one per timed pass",
+    }
     for name, values in speeds.items():
         results[name] = {"sent_per_s_rounds": values, "sent_per_s_median": statistics.median(values), **quality[name]}
     print(f"\n{'engine':<28} sentences/s (median; rounds)          BLEU   words")
-    for name in engines:
+    for name in names:
         r = results[name]
         rounds_text = ", ".join(f"{v:.1f}" for v in r["sent_per_s_rounds"])
         print(f"{name:<28} {r['sent_per_s_median']:7.1f} ({rounds_text})  {r['bleu']:6.2f}  {r['words']}")
@@ -116,12 +155,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path, help="write the figures here too")
+    parser.add_argument("--one-process", action="store_true", help="every engine in this process (see above)")
+    parser.add_argument("--engine", help=argparse.SUPPRESS)  # a child: one timed pass of this engine
+    parser.add_argument("--pass-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = load_config(CONFIG)
     torch.set_num_threads(cfg.train.threads)
     keep_freed_memory()
     keep_onednn_kernels()
-    results = compare(cfg, args.rounds)
+    if args.engine:
+        sources, _ = eval_texts(cfg, "test")
+        speed, hyps = timed(build_engine(args.engine, decode_model("fp32"), sources), sources)
+        args.pass_out.write_text(json.dumps({"sent_per_s": speed, "hyps": hyps}))
+        return
+    results = compare(cfg, args.rounds, args.one_process)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
 
