@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -54,7 +55,8 @@ from mtcli.batching import collate, epoch_batches, padding_counts  # noqa: E402
 from mtcli.checkpoint import last_checkpoint  # noqa: E402
 from mtcli.config import ModelConfig  # noqa: E402
 from mtcli.config_loader import load_config  # noqa: E402
-from mtcli.data import cache_folder, eval_texts, prepare  # noqa: E402
+from mtcli.corpus import fingerprint_hash  # noqa: E402
+from mtcli.data import cache_key, eval_texts, prepare  # noqa: E402
 from mtcli.device import DTYPES, choose_precision, cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
 from mtcli.evaluate import score  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
@@ -224,7 +226,7 @@ def decode_model(precision: str) -> Path:
     """The cached 800-update model of this precision, trained again when missing or when the prepared data changed
     (a model from other data, e.g. before the default clean filters, would blur the fp32 / bf16 BLEU gap)."""
     run = CACHE / f"decode-run-{DECODE_MODEL_UPDATES}" if precision == "fp32" else CACHE / f"decode-run-{precision}"
-    data_key, stamp = cache_folder(load_config(CONFIG).data).name, run / "bench-data"
+    data_key, stamp = data_stamp(load_config(CONFIG).data), run / "bench-data"
     ckpt = last_checkpoint(run)
     fresh = ckpt is not None and ckpt.name.endswith(f"{DECODE_MODEL_UPDATES:08d}")
     if not (fresh and stamp.exists() and stamp.read_text() == data_key):
@@ -233,6 +235,16 @@ def decode_model(precision: str) -> Path:
         stamp.write_text(data_key)
         ckpt = last_checkpoint(run)
     return ckpt
+
+
+def data_stamp(data_cfg) -> str:
+    """The data cache's key with the corpus files' contents in place of their modification times, which change each
+    time ../shared is provisioned again (the cache folder's name would retrain both models every session)."""
+    key = cache_key(data_cfg)
+    key["source"] = {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(Path(data_cfg.path).iterdir()) if p.is_file()
+    }
+    return fingerprint_hash(key)
 
 
 def peers_decode_spec(translator: Translator, beam: int):
