@@ -3,9 +3,10 @@ with `mtcli export --format ctranslate2`, translating test_2016_flickr with the 
 batches of 64 sentences, one untimed warm-up batch, beam 5 and greedy) in alternating rounds, each engine in fp32
 and int8 (mtcli also in bf16 where the CPU has bf16 units), 2 threads.
 
-Each timed pass runs in a process of its own (`--engine NAME`): with all engines in one process, the thread pools
-of the ones that had run kept the cores busy and slowed the next (mtcli's beam 5 fp32 ran at 94 sentences/s there
-against 112 alone; docs/benchmarks.md). `--one-process` keeps them together, to see that effect.
+Each timed pass runs in a process of its own (`--engine NAME`): with all engines in one process, mtcli ran 17-33 %
+slower and CTranslate2 did not (beam 5 fp32 108.7 against 131.3 sentences/s on a Zen 4; the cause, the other
+engines' thread pools or the memory they hold, was not isolated; docs/benchmarks.md). `--one-process` keeps them
+together, to see that effect.
 
 The same weights and vocabulary on both sides, so speed differences are the decoders' own; the peers' decode.sh
 compares against a separately trained HF Marian model instead. Length penalty: CTranslate2 divides by length ** 1.0,
@@ -39,6 +40,7 @@ from mtcli.data import eval_texts  # noqa: E402
 from mtcli.device import cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
 from mtcli.evaluate import score  # noqa: E402
 from mtcli.export import export_ctranslate2  # noqa: E402
+from mtcli.tokenizer import Tokenizer  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
 
 BATCH = 64
@@ -91,8 +93,7 @@ def build_engine(name: str, checkpoint: Path, sources: list[str]):
     beam = 5 if mode == "beam5" else 1
     if kind == "mtcli":
         return mtcli_engine(checkpoint, precision, beam, sources)
-    tokenizer = Translator.from_checkpoint(checkpoint, device="cpu", precision="fp32").tokenizer
-    return ct2_engine(CACHE / "ct2-800", precision, beam, sources, tokenizer)
+    return ct2_engine(CACHE / "ct2-800", precision, beam, sources, Tokenizer.from_folder(checkpoint))
 
 
 def timed(run, sources: list[str]) -> tuple[float, list[str]]:
