@@ -3,10 +3,12 @@ with `mtcli export --format ctranslate2`, translating test_2016_flickr with the 
 batches of 64 sentences, one untimed warm-up batch, beam 5 and greedy) in alternating rounds, each engine in fp32
 and int8 (mtcli also in bf16 where the CPU has bf16 units), 2 threads.
 
-Each timed pass runs in a process of its own (`--engine NAME`): with all engines in one process, mtcli ran 17-33 %
-slower and CTranslate2 did not (beam 5 fp32 108.7 against 131.3 sentences/s on a Zen 4; the cause, the other
-engines' thread pools or the memory they hold, was not isolated; docs/benchmarks.md). `--one-process` keeps them
-together, to see that effect.
+Each timed pass runs in a process of its own (`--engine NAME`), and CTranslate2's runs no torch operation before
+it is timed (it reads the checkpoint's tokenizer files only): torch and CTranslate2 each ship their own OpenMP
+runtime, and once torch had run a parallel operation in a process, CTranslate2 ran 1.6-2x slower there (greedy
+float32 211-237 against 370-450 sentences/s, Zen 4); with all engines in one process mtcli ran 17-33 % slower as
+well. The cause inside the runtimes was not isolated (docs/benchmarks.md). `--one-process` keeps every engine in
+this process, to see the effect.
 
 The same weights and vocabulary on both sides, so speed differences are the decoders' own; the peers' decode.sh
 compares against a separately trained HF Marian model instead. Length penalty: CTranslate2 divides by length ** 1.0,
