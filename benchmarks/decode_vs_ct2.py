@@ -104,11 +104,12 @@ def timed(run, sources: list[str]) -> tuple[float, list[str]]:
     return len(sources) / (time.perf_counter() - start), hyps
 
 
-def run_in_child(name: str) -> tuple[float, list[str]]:
+def run_in_child(name: str, checkpoint: Path) -> tuple[float, list[str]]:
     """One timed pass of one engine in a fresh process (this script with --engine)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "pass.json"
-        subprocess.run([sys.executable, __file__, "--engine", name, "--pass-out", str(out)], check=True)
+        command = [sys.executable, __file__, "--engine", name, "--checkpoint", str(checkpoint), "--pass-out", str(out)]
+        subprocess.run(command, check=True)
         figures = json.loads(out.read_text())
     return figures["sent_per_s"], figures["hyps"]
 
@@ -125,7 +126,7 @@ def compare(cfg, rounds: int, one_process: bool = False) -> dict:
     quality = {}
     for i in range(rounds):
         for name in names if i % 2 == 0 else names[::-1]:  # alternate the order: a drifting host
-            speed, hyps = timed(engines[name], sources) if one_process else run_in_child(name)
+            speed, hyps = timed(engines[name], sources) if one_process else run_in_child(name, checkpoint)
             speeds[name].append(speed)
             if name not in quality:
                 words = sum(len(h.split()) for h in hyps)
@@ -160,6 +161,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the figures here too")
     parser.add_argument("--one-process", action="store_true", help="every engine in this process (see above)")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # a child: one timed pass of this engine
+    parser.add_argument("--checkpoint", type=Path, help=argparse.SUPPRESS)  # the parent's decode_model("fp32")
     parser.add_argument("--pass-out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     cfg = load_config(CONFIG)
@@ -168,7 +170,7 @@ def main() -> None:
     keep_onednn_kernels()
     if args.engine:
         sources, _ = eval_texts(cfg, "test")
-        speed, hyps = timed(build_engine(args.engine, decode_model("fp32"), sources), sources)
+        speed, hyps = timed(build_engine(args.engine, args.checkpoint, sources), sources)
         args.pass_out.write_text(json.dumps({"sent_per_s": speed, "hyps": hyps}))
         return
     results = compare(cfg, args.rounds, args.one_process)
