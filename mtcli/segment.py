@@ -15,6 +15,7 @@ the pieces' places. Runs with no letter in them (numbers, emoji, punctuation) st
 from __future__ import annotations
 
 import html
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -90,8 +91,17 @@ class _MarkupSplitter(HTMLParser):
     def handle_pi(self, data):
         self.markup(f"<?{data}>")
 
+    def parse_marked_section(self, i, report=1):
+        try:
+            return super().parse_marked_section(i, report)
+        except AssertionError:  # "<![" and no section name after it: HTMLParser gives up; read it as text instead
+            return -1
+
     def unknown_decl(self, data):
-        self.markup(f"<![{data}]>")
+        # Marked sections as HTMLParser reads them: <![CDATA[...]]> (and the SGML kinds) end with ]]>, MS Office's
+        # <![if ...]>, <![else]> and <![endif]> with ]>; the parser hands over what lies between <![ and the end
+        name = re.match(r"\s*([a-zA-Z][-_.a-zA-Z0-9]*)?", data)[1] or ""
+        self.markup(f"<![{data}]>" if name.lower() in {"if", "else", "endif"} else f"<![{data}]]>")
 
 
 def split_html(text: str, lang: str) -> Segments:

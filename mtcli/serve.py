@@ -4,13 +4,17 @@ Routes: POST /translate and GET /languages speak LibreTranslate's API, so its cl
 unchanged; POST /v1/translate takes every decode setting and returns scores and n-best lists; GET /health, GET
 /metrics (Prometheus text) and GET / (a page to try the model). Each request is read and checked here (size
 limits, types, API keys; every error is JSON {"error": "one line"}), cut into sentences (mtcli.segment) and handed
-to the model worker (mtcli.serve_worker), which batches the requests that arrive together. SIGTERM drains: uvicorn
-stops accepting connections, every accepted request is answered, and the process exits 0.
+to the model worker (mtcli.serve_worker), which batches the requests that arrive together and shares its batches
+fairly between them. SIGTERM drains: uvicorn stops accepting connections, every accepted request is answered (one
+whose body is still arriving with a 503 at once), and the process exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import re
 import signal
 import socket
 import threading
@@ -22,7 +26,7 @@ from pathlib import Path
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.segment import Segments, combine_nbest, join, split_html, split_text
+from mtcli.segment import Segments, combine_nbest, join, split_html, split_long, split_text
 from mtcli.serve_requests import (
     NATIVE_FIELDS,
     NATIVE_OPTIONS,
@@ -31,13 +35,16 @@ from mtcli.serve_requests import (
     check_key,
     decode_options,
     language,
+    listed,
     read_alternatives,
     read_fields,
     read_texts,
+    shown,
     text_format,
     typed,
 )
 from mtcli.serve_worker import Dropped, Metrics, QueueFull, Worker
+from mtcli.tokenizer import CJK_LANGS
 
 try:
     import sentencex  # noqa: F401 - mtcli.segment imports it where it cuts sentences
@@ -45,6 +52,7 @@ try:
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError as e:
     raise MtcliError(f"mtcli serve needs the serve extra ({e.name} is missing): pip install 'mtcli[serve]'") from None
 
@@ -54,31 +62,54 @@ LANGUAGE_NAMES = {
     "ja": "Japanese", "ko": "Korean", "nl": "Dutch", "pl": "Polish", "pt": "Portuguese", "ru": "Russian",
     "tr": "Turkish", "uk": "Ukrainian", "zh": "Chinese",
 }  # fmt: skip
+MAX_MESSAGE = 1000  # characters of an error message, whatever it quotes
+CONTROL = re.compile("[\x00-\x1f\x7f]")
 
 
 class Server:
     """The routes, over one Translator and its model worker."""
 
     def __init__(self, translator, decode: DecodeConfig, limits: ServeLimits):
-        translator.split_long = True  # a sentence longer than the positions is cut and translated whole
+        # Sentences longer than the positions are cut here (translate_texts), before they are queued, so that the
+        # worker counts and batches what the model will read
+        translator.split_long = False
         self.translator, self.decode, self.limits = translator, decode, limits
         self.src, self.tgt = translator.config.data.src_lang, translator.config.data.tgt_lang
         self.metrics = Metrics()
         self.worker = Worker(translator, limits.queue_size, limits.max_wait_ms / 1000, self.metrics)
         self.page = resources.files("mtcli").joinpath("static/index.html").read_text(encoding="utf-8")
+        self.loop: asyncio.AbstractEventLoop | None = None  # uvicorn's, once it has started
+        self.stopping = asyncio.Event()  # set at the first stop signal: bodies still arriving are not waited for
 
     def app(self) -> Accounting:
-        app = FastAPI(title="mtcli", docs_url=None, redoc_url=None)  # no docs pages: they load from a CDN
-        app.add_api_route("/", self.index, methods=["GET"], response_class=HTMLResponse)
+        # No docs pages or OpenAPI schema (the pages load from a CDN); no redirects to a slash-less path, which
+        # would be built from the client's Host header
+        app = FastAPI(title="mtcli", docs_url=None, redoc_url=None, openapi_url=None, lifespan=self.lifespan)
+        app.router.redirect_slashes = False
+        read = ["GET", "HEAD"]
+        app.add_api_route("/", self.index, methods=read, response_class=HTMLResponse)
         app.add_api_route("/translate", self.libre_translate, methods=["POST"])
-        app.add_api_route("/languages", self.languages, methods=["GET"])
+        app.add_api_route("/languages", self.languages, methods=read)
         app.add_api_route("/v1/translate", self.native_translate, methods=["POST"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.render_metrics, methods=["GET"], response_class=PlainTextResponse)
+        app.add_api_route("/health", self.health, methods=read)
+        app.add_api_route("/metrics", self.render_metrics, methods=read, response_class=PlainTextResponse)
         app.add_exception_handler(HTTPError, error_response)
         app.add_exception_handler(StarletteHTTPException, http_exception)
         app.add_exception_handler(Exception, internal_error)
         return Accounting(app, self.metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        self.loop = asyncio.get_running_loop()
+        yield
+
+    def stop_reading(self) -> None:
+        """Answer requests whose body is still arriving with a 503 now (called from the stop signal's handler)."""
+        try:
+            if self.loop is not None:
+                self.loop.call_soon_threadsafe(self.stopping.set)
+        except RuntimeError:  # the loop has closed: nothing is being read
+            pass
 
     # -----------------------------------------------------------------------------------------------------------------
     # Routes
@@ -133,7 +164,7 @@ class Server:
         unknown = set(fields) - NATIVE_FIELDS
         if unknown:
             known = ", ".join(sorted(NATIVE_FIELDS))
-            raise HTTPError(422, f"unknown field(s) {', '.join(sorted(unknown))}; known: {known}")
+            raise HTTPError(422, f"unknown field(s) {listed(sorted(unknown))}; known: {known}")
         texts, _ = read_texts(fields, "texts", self.limits)
         fmt = text_format(fields.get("format"))
         split = typed("split_sentences", fields.get("split_sentences", True), bool)
@@ -155,7 +186,11 @@ class Server:
 
     async def read_checked(self, request: Request) -> dict:
         """The request's fields, once its body is read and its API key (where keys are configured) checked."""
-        fields = await read_fields(request, self.limits.max_body_bytes)
+        self.metrics.receiving += 1  # the worker does not wait for requests whose body is still arriving
+        try:
+            fields = await read_fields(request, self.limits, self.stopping)
+        finally:
+            self.metrics.receiving -= 1
         check_key(request, fields, self.limits.api_keys)
         return fields
 
@@ -165,38 +200,64 @@ class Server:
         return split_text(text, self.src) if split else Segments([text], ["", ""])
 
     async def translate_texts(self, request: Request, texts: list[str], decode: DecodeConfig, fmt: str, split: bool):
-        """Each text's n-best list (one entry without nbest): cut, translated by the worker, joined back."""
+        """Each text's n-best list (one entry without nbest): cut into sentences, a sentence longer than the
+        positions into pieces that fit (as `mtcli translate --split-long` does), the pieces translated by the
+        worker, and all joined back."""
         segments = [self.cut(text, fmt, split) for text in texts]
         sentences = [piece for s in segments for piece in s.pieces]
-        if len(sentences) > self.limits.max_sentences:
-            limit = f"the limit is {self.limits.max_sentences:,} per request (--max-sentences)"
-            raise HTTPError(413, f"the texts hold {len(sentences):,} sentences; {limit}")
-        hyps = iter(await self.run(request, sentences, decode) if sentences else [])
-        return [combine_nbest([next(hyps) for _ in s.pieces], lambda t, s=s: join(s, t, self.tgt)) for s in segments]
+        self.check_count(len(sentences), "sentences")
+        t = self.translator
+        ids = t.source_ids(sentences, decode)  # one call for all: a 1 MiB body takes a tenth of a second or so
+        tokens = sum(len(x) + 1 for x in ids)  # with EOS, as the model reads them
+        if tokens > self.limits.max_tokens:
+            limit = f"the limit is {self.limits.max_tokens:,} per request (--max-tokens)"
+            raise HTTPError(413, f"the texts hold {tokens:,} source subwords; {limit}")
+        cut, lengths = [], []
+        for sentence, sentence_ids in zip(sentences, ids):
+            if len(sentence_ids) <= t.max_src_tokens:
+                cut.append([sentence])
+                lengths.append(len(sentence_ids) + 1)
+            else:
+                cut.append(split_long(t.tokenizer, sentence, t.max_src_tokens))
+                lengths += [len(x) + 1 for x in t.source_ids(cut[-1], decode)]
+        pieces = [piece for parts in cut for piece in parts]
+        self.check_count(len(pieces), "sentences and pieces of long ones")
+        hyps = iter(await self.run(request, pieces, lengths, decode) if pieces else [])
+        sep = "" if self.tgt.lower() in CJK_LANGS else " "
+        whole = iter([combine_nbest([next(hyps) for _ in parts], sep.join) for parts in cut])
+        return [combine_nbest([next(whole) for _ in s.pieces], lambda t, s=s: join(s, t, self.tgt)) for s in segments]
 
-    async def run(self, request: Request, sentences: list[str], decode: DecodeConfig) -> list:
+    def check_count(self, count: int, what: str) -> None:
+        if count > self.limits.max_sentences:
+            limit = f"the limit is {self.limits.max_sentences:,} per request (--max-sentences)"
+            raise HTTPError(413, f"the texts hold {count:,} {what}; {limit}")
+
+    async def run(self, request: Request, sentences: list[str], lengths: list[int], decode: DecodeConfig) -> list:
         """The worker's n-best lists for `sentences`; a 503 (with Retry-After) when the queue is full or the
-        request's time runs out; the job is dropped when its client disconnects."""
+        request's time runs out. Whatever ends the wait, what is left of the job leaves the queue."""
         try:
-            job = self.worker.submit(sentences, decode, asyncio.get_running_loop())
+            job = self.worker.submit(sentences, lengths, decode, asyncio.get_running_loop())
         except QueueFull as e:
             queued, size = self.worker.queued, self.limits.queue_size
             busy = f"the server is busy ({queued:,} sentences queued, --queue-size {size})"
             raise HTTPError(503, f"{busy}; retry in {e.retry_after} s", {"Retry-After": str(e.retry_after)}) from None
         gone = asyncio.ensure_future(client_gone(request))
         remaining = request.scope["mtcli.start"] + self.limits.timeout - time.monotonic()
-        await asyncio.wait({job.future, gone}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
-        disconnected = gone.done()
-        gone.cancel()
-        if job.future.done():
+        try:
+            await asyncio.wait({job.future, gone}, timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this task is cancelled (uvicorn gave up on the drain)
+            disconnected = gone.done()
+            gone.cancel()
+            if not job.future.done():
+                self.worker.withdraw(job)
+                job.future.cancel()
+        if not job.future.cancelled():
             error = job.future.exception()
             if isinstance(error, Dropped):
                 raise HTTPError(503, str(error), {"Retry-After": "5"})
-            if error is not None:
-                raise HTTPError(500, f"translation failed ({type(error).__name__}: {error})")
+            if error is not None:  # the traceback is in the log; the client learns only that it was not its fault
+                raise HTTPError(500, "translation failed: a server error (see the server's log)")
             return job.future.result()
-        job.cancelled = True  # the worker skips it if its batch has not started
-        job.future.cancel()
         if disconnected:
             raise HTTPError(499, "the client closed the connection")
         retry = str(self.worker.retry_after())
@@ -209,19 +270,39 @@ async def client_gone(request: Request) -> None:
         pass
 
 
+def one_line(message: str) -> str:
+    """An error message as sent: at most MAX_MESSAGE characters, one line and encodable whatever it quotes (a path
+    may hold a %0A, a JSON string a lone surrogate)."""
+    message = message if len(message) <= MAX_MESSAGE else message[:MAX_MESSAGE] + "..."
+    message = CONTROL.sub(lambda m: f"\\x{ord(m[0]):02x}", message)
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 async def error_response(request: Request, exc: HTTPError) -> JSONResponse:
-    return JSONResponse({"error": exc.message}, exc.status, headers=exc.headers)
+    return JSONResponse({"error": one_line(exc.message)}, exc.status, headers=exc.headers)
 
 
 async def http_exception(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Unknown routes and wrong methods, in the same {"error": ...} shape."""
-    message = f"{exc.detail}: {request.method} {request.url.path}"
-    return JSONResponse({"error": message}, exc.status_code, headers=exc.headers)
+    message = f"{exc.detail}: {request.method} {shown(request.url.path, 200)}"
+    return JSONResponse({"error": one_line(message)}, exc.status_code, headers=exc.headers)
 
 
 async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-    """A bug: one line to the client; uvicorn logs the traceback."""
-    return JSONResponse({"error": f"internal error ({type(exc).__name__}); see the server's log"}, 500)
+    """A bug: the client learns only that; uvicorn logs the traceback."""
+    return JSONResponse({"error": "internal server error (see the server's log)"}, 500)
+
+
+class JSONErrorProtocol(HttpToolsProtocol):
+    """uvicorn's HTTP/1.1 protocol (httptools), but a request it cannot parse gets the API's JSON error, not text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps({"error": "the request is not valid HTTP/1.1"}).encode()
+        head = [b"HTTP/1.1 400 Bad Request"]
+        head += [name + b": " + value for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json", b"content-length: %d" % len(body), b"connection: close"]
+        self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
+        self.transport.close()
 
 
 class Accounting:
@@ -272,10 +353,13 @@ def serve(translator, decode: DecodeConfig, limits: ServeLimits, host: str = "12
     The model runs on the main thread and HTTP (uvicorn's event loop) on another: torch's OpenMP ops launched from a
     thread other than the main one ran 2x slower here (a 5-row product: 130 us against 59 us, one sentence at beam
     5: 75 ms against 38 ms)."""
+    if not 0 <= port <= 65535:  # the socket module would wrap 70000 around to 4464
+        raise MtcliError(f"--port must be between 0 and 65535, not {port}")
     server = Server(translator, decode, limits)
     sock = listen(host, port)
     config = uvicorn.Config(
         server.app(),
+        http=JSONErrorProtocol,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=int(limits.timeout) + 5,  # requests time out before this; a backstop
@@ -292,6 +376,7 @@ def serve(translator, decode: DecodeConfig, limits: ServeLimits, host: str = "12
         if http.should_exit:  # a second signal: queued requests are answered 503 instead of translated
             server.worker.dropping = True
         http.should_exit = True  # stop accepting, answer what was accepted, then end
+        server.stop_reading()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

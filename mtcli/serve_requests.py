@@ -1,15 +1,20 @@
 """What `mtcli serve` accepts: its limits, and the reading and checking of a request's body and fields.
 
 Every function here either returns clean values or raises HTTPError with a status and one line for the client:
-400 for a body or field that cannot be read (malformed JSON, wrong types, bytes that are not UTF-8, an unknown
-language), 401 for a missing or wrong API key, 413 for a body, text or request over a limit (the message names
-the option that sets it), 422 for a well-formed value the server will not take (a beam over --max-beam).
+400 for a body or field that cannot be read (malformed JSON, wrong types, bytes that are not UTF-8, a lone
+surrogate, an unknown language), 401 for a missing or wrong API key, 408 for a body that does not arrive in time,
+413 for a body, text or request over a limit (the message names the option that sets it), 422 for a well-formed
+value the server will not take (a beam over --max-beam, a length penalty of 1e308). A value from the client is
+quoted in a message only cut short (`shown`), so no answer grows with what was sent.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import math
+import re
 import urllib.parse
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -21,6 +26,7 @@ from mtcli.errors import MtcliError
 if TYPE_CHECKING:
     from starlette.requests import Request
 
+SURROGATE = re.compile("[\ud800-\udfff]")
 DRAIN_LIMIT = 16 << 20  # an over-limit body is read (and dropped) up to this size, so its sender gets the 413
 NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with their JSON types
     "beam": int,
@@ -36,6 +42,10 @@ NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with 
     "top_p": float,
 }
 NATIVE_FIELDS = {"texts", "format", "split_sentences", "api_key", *NATIVE_OPTIONS}
+# Where decoding stays well-defined, with a wide margin: past them, scores and probabilities overflow or underflow (on
+# the toy model a length penalty of 1,000 overflowed, temperature 1e308 and top_p 1e-300 left no token to sample;
+# 500, 1e30 and 1e-40 still worked)
+DECODE_RANGES = {"lenpen": (0.0, 10.0), "temperature": (0.01, 100.0), "top_p": (1e-6, 1.0)}
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,8 @@ class ServeLimits:
     max_wait_ms: float = 40.0  # the longest the first request of a batch waits for others
     max_beam: int = 16
     api_keys: frozenset[str] = frozenset()
+    max_tokens: int = 16_384  # source subwords per request, after cutting and tokenizing
+    body_timeout: float = 10.0  # seconds for a request's body to arrive (at most timeout)
 
     def __post_init__(self):
         for flag, value in (
@@ -57,11 +69,13 @@ class ServeLimits:
             ("--queue-size", self.queue_size),
             ("--timeout", self.timeout),
             ("--max-beam", self.max_beam),
+            ("--max-tokens", self.max_tokens),
+            ("--body-timeout", self.body_timeout),
         ):
-            if value <= 0:
-                raise MtcliError(f"{flag} must be positive, not {value}")
-        if self.max_wait_ms < 0:
-            raise MtcliError(f"--max-wait-ms must be >= 0, not {self.max_wait_ms}")
+            if not 0 < value < math.inf:  # also refuses NaN
+                raise MtcliError(f"{flag} must be a positive finite number, not {value}")
+        if not 0 <= self.max_wait_ms < math.inf:
+            raise MtcliError(f"--max-wait-ms must be a finite number >= 0, not {self.max_wait_ms}")
         if self.max_sentences > self.queue_size:
             raise MtcliError(
                 f"--max-sentences ({self.max_sentences}) cannot exceed --queue-size ({self.queue_size}): such a "
@@ -91,6 +105,17 @@ class HTTPError(Exception):
         self.status, self.message, self.headers = status, message, headers
 
 
+def shown(text: str, limit: int = 40) -> str:
+    """A value from the client, for an error message: at most `limit` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def listed(names: list[str], limit: int = 10) -> str:
+    """Names for an error message: at most `limit` of them, then how many more."""
+    head = ", ".join(shown(name) for name in names[:limit])
+    return head if len(names) <= limit else f"{head} and {len(names) - limit:,} more"
+
+
 def json_type(value) -> str:
     names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
     return names.get(type(value), "null")
@@ -110,23 +135,57 @@ def typed(name: str, value, kind: type):
     return value
 
 
-async def read_fields(request: Request, limit: int) -> dict:
+async def read_fields(request: Request, limits: ServeLimits, stopping: asyncio.Event) -> dict:
     """The body as a dict: JSON, or a urlencoded form (LibreTranslate takes both). Over-limit, non-UTF-8 or
-    malformed bodies end here with a 413 or 400."""
+    malformed bodies end here with a 413 or 400; a body that has not arrived within limits.body_timeout (or
+    limits.timeout, if shorter) with a 408, and one still arriving when the server starts to stop with a 503: a
+    slow sender holds neither a connection nor the shutdown."""
+    wait = min(limits.body_timeout, limits.timeout)
+    reading = asyncio.ensure_future(read_body(request, limits.max_body_bytes))
+    stopped = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({reading, stopped}, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        arrived = reading.done()
+        if not arrived:
+            reading.cancel()
+    if not arrived:
+        close = {"Connection": "close"}  # the rest of the body would be read as the next request
+        if stopping.is_set():
+            raise HTTPError(
+                503, "the server is stopping; the request body had not arrived", {"Retry-After": "5", **close}
+            )
+        raise HTTPError(408, f"the request body did not arrive within {wait:g} s", close)
+    return parse_body(request, reading.result())
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body's bytes; a 413 when it is over `limit`, a 499 when the client leaves before it is sent."""
+    from starlette.requests import ClientDisconnect  # here: starlette comes with the serve extra
+
     declared = request.headers.get("content-length", "")
     too_big = HTTPError(413, f"the request body is over the limit of {limit:,} bytes (--max-body-bytes)")
     expects_continue = "100-continue" in request.headers.get("expect", "").lower()
     if declared.isdigit() and int(declared) > limit and (expects_continue or int(declared) > DRAIN_LIMIT):
         raise too_big  # answered before the body is sent (or too big to read through)
     body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > DRAIN_LIMIT:
-            break
-        if size <= limit:
-            body += chunk
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > DRAIN_LIMIT:
+                break
+            if size <= limit:
+                body += chunk
+    except ClientDisconnect:
+        raise HTTPError(499, "the client closed the connection") from None
     if size > limit:
         raise too_big
+    return bytes(body)
+
+
+def parse_body(request: Request, body: bytes) -> dict:
+    """JSON or a urlencoded form, as a dict of fields."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -152,7 +211,30 @@ async def read_fields(request: Request, limit: int) -> dict:
         raise HTTPError(400, f"the request body is not valid JSON ({e})") from None
     if not isinstance(fields, dict):
         raise HTTPError(400, f"the JSON body must be an object, not {json_type(fields)}")
+    surrogate = lone_surrogate(fields)
+    if surrogate is not None:
+        where = f"\\u{ord(surrogate):04x}"
+        raise HTTPError(400, f"the JSON body holds a lone surrogate ({where}), which is not a character")
     return fields
+
+
+def lone_surrogate(value) -> str | None:
+    """The first lone surrogate in a parsed JSON value's strings (keys too): JSON's \\ud800 escapes give them, and
+    no tokenizer or UTF-8 encoder takes them. Iterative: the JSON may be nested as deep as the parser allows."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                found = SURROGATE.search(item)
+                if found:
+                    return found[0]
+        elif isinstance(item, dict):
+            stack += item.keys()
+            stack += item.values()
+        elif isinstance(item, list):
+            stack += item
+    return None
 
 
 def check_key(request: Request, fields: dict, keys: frozenset[str]) -> None:
@@ -163,7 +245,9 @@ def check_key(request: Request, fields: dict, keys: frozenset[str]) -> None:
     auth = request.headers.get("authorization", "")
     if not key and auth[:7].lower() == "bearer ":
         key = auth[7:].strip()
-    valid = isinstance(key, str) and any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+    # surrogatepass: a key that is no valid text is a wrong key (a 401), not an encoding error
+    given = key.encode("utf-8", "surrogatepass") if isinstance(key, str) else None
+    valid = given is not None and any(hmac.compare_digest(given, k.encode()) for k in keys)
     if not valid:
         message = "a valid API key is required (the api_key field or an Authorization: Bearer header)"
         raise HTTPError(401, message, {"WWW-Authenticate": "Bearer"})
@@ -204,26 +288,29 @@ def language(value, lang: str, pair: str, auto: bool = False) -> str:
     if auto and code == "auto":
         return code
     if code.split("-")[0] != lang.lower().split("-")[0]:
-        raise HTTPError(400, f"{value} is not supported: this server translates {pair}")
+        raise HTTPError(400, f"{shown(value)} is not supported: this server translates {pair}")
     return code
 
 
 def text_format(value) -> str:
     if value in (None, "", "text", "html"):
         return value or "text"
-    raise HTTPError(400, f"{value} format is not supported (text or html)")
+    if not isinstance(value, str):
+        raise HTTPError(400, f"format: expected a string (text or html), got {json_type(value)}")
+    raise HTTPError(400, f"{shown(value)} format is not supported (text or html)")
 
 
 def read_alternatives(value, limits: ServeLimits) -> int:
     """LibreTranslate's alternatives: a number (or a numeric string, as forms send), at most max_beam - 1."""
     if value is None or value == "":
         return 0
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    # ASCII digits only, and few: int() also reads "²"-like digits (and fails on them) and refuses 5,000 digits
+    if isinstance(value, str) and re.fullmatch(r"-?[0-9]{1,9}", value.strip()):
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
         raise HTTPError(400, "alternatives parameter is not a number")
     if value > limits.max_beam - 1:
-        raise HTTPError(422, f"alternatives {value} is over this server's limit of {limits.max_beam - 1}")
+        raise HTTPError(422, f"alternatives {shown(str(value))} is over this server's limit of {limits.max_beam - 1}")
     return max(value, 0)
 
 
@@ -231,14 +318,15 @@ def decode_options(fields: dict, decode: DecodeConfig, limits: ServeLimits, posi
     """The server's decode settings with the request's own applied, as `mtcli translate --beam ...` would."""
     values = {key: typed(key, fields[key], kind) for key, kind in NATIVE_OPTIONS.items() if key in fields}
     if values.get("beam", 0) > limits.max_beam:
-        raise HTTPError(422, f"beam {values['beam']} is over this server's limit of {limits.max_beam}")
+        raise HTTPError(422, f"beam {shown(str(values['beam']))} is over this server's limit of {limits.max_beam}")
     if "beam" in values and "nbest" not in values:
         values["nbest"] = min(decode.nbest, values["beam"])
     for key in ("max_len_a", "max_len_b"):  # no output is longer than the positions anyway
         if key in values:
             values[key] = min(values[key], positions)
-    if 0 < values.get("temperature", 1.0) < 0.01:
-        raise HTTPError(422, "temperature: must be at least 0.01")
+    for key, (low, high) in DECODE_RANGES.items():
+        if key in values and not low <= values[key] <= high:
+            raise HTTPError(422, f"{key}: must be between {low:g} and {high:g}, not {shown(str(values[key]))}")
     try:
         return replace(decode, **values)
     except MtcliError as e:

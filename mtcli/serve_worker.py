@@ -1,25 +1,32 @@
 """The model worker behind `mtcli serve`, and the server's counters (shown at /metrics in Prometheus' text format).
 
-The main thread owns the Translator (Worker.run). Requests wait in a queue bounded by sentences; the worker takes
-the first, then whatever else arrives, for at most max_wait and until a batch's worth of source subwords is
-gathered. It stops early after a gap of GAP seconds without a new request, unless requests outside the batch are
-still being read or answered: a client that has just had its answer usually sends its next request at once, and
-without this wait concurrent clients split into groups that take turns in part-filled batches (64 clients, beam 5:
-35 sentences a batch, against 60 with it). A lone client waits for nothing but the gap. Requests with the same
-decode settings are translated as one list by Translator.translate_nbest, which sorts them by length and cuts
-token-budget batches; each request gets its own sentences back, in order. A request whose client gave up (timeout,
-disconnect) before its batch started is skipped.
+The main thread owns the Translator (Worker.run). Requests wait in a queue bounded by sentences; each sentence is
+already cut to fit the model's positions and counted in source subwords. A batch holds at most decode.batch_tokens
+subwords (at least one sentence), shared fairly: first each waiting request, in order of arrival, gets up to an
+equal share of them (at least one sentence), then what is left goes to them in order of arrival. So a big request
+is spread over several batches, and a small one that arrives meanwhile waits only for the batch in progress.
+
+Before a batch starts the worker waits for more requests, for at most max_wait and until a batch's worth of
+subwords is queued. It stops early after a gap of GAP seconds without a new request, unless requests outside the
+queue are still being cut or answered: a client that has just had its answer usually sends its next request at
+once, and without this wait concurrent clients split into groups that take turns in part-filled batches (64
+clients, beam 5: 35 sentences a batch, against 60 with it). Requests whose body is still arriving do not count, so
+a slow uploader does not hold up everyone's batches. A lone client waits for nothing but the gap.
+
+The sentences of a batch with the same decode settings are translated as one list by Translator.translate_nbest,
+which sorts them by length and cuts token-budget batches; each request gets its own sentences back, in order. When
+that fails, each request's part is translated alone, so a sentence that breaks the model fails only its own
+request. A request whose client gave up (timeout, disconnect) or whose part failed leaves the queue at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import queue
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 
 from mtcli.config import DecodeConfig
 from mtcli.log import logger
@@ -38,16 +45,22 @@ class Dropped(Exception):
     """A queued request not translated because the server is stopping at once (a second stop signal)."""
 
 
+class TranslationFailed(Exception):
+    """The model failed on a request's sentences (the traceback is in the server's log)."""
+
+
 @dataclass(eq=False)
 class Job:
     """One request's sentences; its future is resolved on the event loop that made it."""
 
     sentences: list[str]
+    lengths: list[int]  # source subwords of each sentence (with EOS), for the batch budget
     decode: DecodeConfig
-    tokens: int  # source subwords (with EOS), for the batch budget
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
-    cancelled: bool = False  # set by the request handler when its client is gone: skipped if not started
+    taken: int = 0  # sentences handed to batches so far; the rest wait in the queue
+    results: list = field(default_factory=list)  # the n-best lists of the sentences translated so far, in order
+    cancelled: bool = False  # its client is gone or a part failed: nothing more of it is translated
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
         try:
@@ -73,6 +86,7 @@ class Metrics:
         self.latency: dict[str, list[float]] = {}  # route -> [bucket counts..., +Inf count, sum of seconds]
         self.accepted = 0  # requests that reached the application
         self.open = 0  # requests in the application now: being read, queued, translated or answered
+        self.receiving = 0  # of those, requests whose body is still arriving (changed on the event loop only)
         self.sentences = self.batches = 0
         self.model_seconds = 0.0
 
@@ -132,84 +146,151 @@ class Metrics:
 class Worker:
     def __init__(self, translator, queue_size: int, max_wait: float, metrics: Metrics):
         self.translator, self.queue_size, self.max_wait, self.metrics = translator, queue_size, max_wait, metrics
-        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.lock = threading.Lock()
-        self.queued = 0  # sentences submitted and not yet taken into a batch
+        self.changed = threading.Condition(self.lock)  # a job arrived, or stop() was called
+        self.waiting: deque[Job] = deque()  # jobs with sentences not yet taken into a batch, in order of arrival
+        self.queued = 0  # their sentences not yet taken (what --queue-size bounds)
+        self.queued_tokens = 0  # and those sentences' subwords
+        self.arrivals = 0  # jobs submitted so far: tells the gathering wait that one came
+        self.stopping = False
         self.rate = 0.0  # sentences per second of recent batches (a moving average), for Retry-After
         self.dropping = False  # set by a second stop signal: queued requests are answered Dropped
 
     def stop(self) -> None:
         """run() returns once what is queued now is translated."""
-        self.jobs.put(None)
+        with self.changed:
+            self.stopping = True
+            self.changed.notify()
 
     def retry_after(self) -> int:
         """Seconds until the queue has likely drained, at the recent rate: 1 to 60."""
         return int(min(60, max(1, math.ceil(self.queued / self.rate) if self.rate else 1)))
 
-    def submit(self, sentences: list[str], decode: DecodeConfig, loop: asyncio.AbstractEventLoop) -> Job:
-        """Queue a request's sentences; QueueFull (with a Retry-After estimate) when they do not fit."""
-        with self.lock:
+    def submit(
+        self, sentences: list[str], lengths: list[int], decode: DecodeConfig, loop: asyncio.AbstractEventLoop
+    ) -> Job:
+        """Queue a request's sentences (their lengths in source subwords); QueueFull (with a Retry-After estimate)
+        when they do not fit."""
+        job = Job(sentences, lengths, decode, loop, loop.create_future())
+        with self.changed:
             if self.queued + len(sentences) > self.queue_size:
                 raise QueueFull(self.retry_after())
+            self.waiting.append(job)
             self.queued += len(sentences)
-        tokens = sum(len(ids) + 1 for ids in self.translator.source_ids(sentences))
-        job = Job(sentences, decode, tokens, loop, loop.create_future())
-        self.jobs.put(job)
+            self.queued_tokens += sum(lengths)
+            self.arrivals += 1
+            self.changed.notify()
         return job
+
+    def withdraw(self, job: Job) -> None:
+        """Nothing more of `job` is translated: its sentences still queued leave the queue."""
+        with self.lock:
+            job.cancelled = True
+            if job in self.waiting:
+                self.waiting.remove(job)
+                self.queued -= len(job.sentences) - job.taken
+                self.queued_tokens -= sum(job.lengths[job.taken :])
 
     def run(self) -> None:
         """Translate batches of queued requests until stop()."""
         while True:
-            first = self.jobs.get()
-            if first is None:
+            batch = self._next_batch()
+            if batch is None:
                 return
-            jobs, stop = self._gather(first)
-            self._translate(jobs)
-            if stop:
-                return
+            self._translate(batch)
 
-    def _gather(self, first: Job) -> tuple[list[Job], bool]:
-        """`first` and the requests that follow it closely (see above), within max_wait and the token budget."""
-        jobs, tokens, stop = [first], first.tokens, False
-        deadline = time.monotonic() + self.max_wait
-        while tokens < first.decode.batch_tokens:
-            left = deadline - time.monotonic()
-            try:
-                job = self.jobs.get(timeout=min(GAP, left)) if left > 0 else self.jobs.get_nowait()
-            except queue.Empty:
-                if left > 0 and self.metrics.open > len(jobs):  # others are being read or answered: wait on
-                    continue
-                break
-            if job is None:  # stop() was called: this batch is the last
-                stop = True
-                break
-            jobs.append(job)
-            tokens += job.tokens
-        with self.lock:
-            self.queued -= sum(len(job.sentences) for job in jobs)
-        return jobs, stop
-
-    def _translate(self, jobs: list[Job]) -> None:
-        groups: dict[DecodeConfig, list[Job]] = {}
-        for job in jobs:
+    def _next_batch(self) -> list[tuple[Job, int, int]] | None:
+        """The next batch, gathered as the module's docstring says: (job, start, end) for each job's sentences in
+        it. None once stop() was called and nothing is queued."""
+        with self.changed:
+            while not self.waiting:
+                if self.stopping:
+                    return None
+                self.changed.wait()
+            budget = self.waiting[0].decode.batch_tokens
+            deadline = time.monotonic() + self.max_wait
+            while self.queued_tokens < budget and not self.stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                seen = self.arrivals
+                self.changed.wait(min(GAP, left))
+                outside = self.metrics.open - self.metrics.receiving - len(self.waiting)  # being cut or answered
+                if self.arrivals == seen and outside <= 0:
+                    break
             if self.dropping:
-                job.finish(error=Dropped("the server is stopping; this request was not translated"))
-            elif not job.cancelled:
-                groups.setdefault(job.decode, []).append(job)
-        for decode, group in groups.items():
-            sentences = [s for job in group for s in job.sentences]
-            start = time.perf_counter()
+                dropped, self.waiting = list(self.waiting), deque()
+                self.queued = self.queued_tokens = 0
+            else:
+                return self._take(budget)
+        for job in dropped:
+            job.finish(error=Dropped("the server is stopping; this request was not translated"))
+        return []
+
+    def _take(self, budget: int) -> list[tuple[Job, int, int]]:
+        """Up to `budget` subwords of the waiting jobs' sentences (at least one sentence): first up to an equal share
+        for each job in order of arrival, then what is left in order of arrival. Called with the lock held."""
+        jobs = list(self.waiting)
+        if not jobs:  # all withdrawn while the batch was gathered
+            return []
+        ends = [job.taken for job in jobs]
+        share, used = budget // len(jobs), 0
+        for fair in (True, False):
+            for i, job in enumerate(jobs):
+                mine = 0
+                while ends[i] < len(job.sentences) and used < budget:
+                    n = job.lengths[ends[i]]
+                    if (used and used + n > budget) or (fair and mine and mine + n > share):
+                        break
+                    ends[i] += 1
+                    used += n
+                    mine += n
+        batch = []
+        for job, end in zip(jobs, ends):
+            if end > job.taken:
+                batch.append((job, job.taken, end))
+                self.queued -= end - job.taken
+                self.queued_tokens -= sum(job.lengths[job.taken : end])
+                job.taken = end
+        self.waiting = deque(job for job in jobs if job.taken < len(job.sentences))
+        return batch
+
+    def _translate(self, batch: list[tuple[Job, int, int]]) -> None:
+        groups: dict[DecodeConfig, list[tuple[Job, int, int]]] = {}
+        for part in batch:
+            if not part[0].cancelled:
+                groups.setdefault(part[0].decode, []).append(part)
+        for decode, parts in groups.items():
             try:
-                hyps = self.translator.translate_nbest(sentences, decode)
-            except Exception as e:  # noqa: BLE001 - a failed batch answers its requests with an error; others go on
-                logger.exception(f"translation of a batch of {len(sentences)} sentences failed")
-                for job in group:
-                    job.finish(error=e)
+                self._translate_parts(parts, decode)
                 continue
-            seconds = time.perf_counter() - start
-            self.metrics.batch(len(sentences), seconds)
-            rate = len(sentences) / max(seconds, 1e-6)
-            self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
-            results = iter(hyps)
-            for job in group:
-                job.finish([next(results) for _ in job.sentences])
+            except Exception:  # noqa: BLE001 - below, each request alone: the failure is its own or a bug for all
+                if len(parts) == 1:
+                    self._fail(parts[0][0])
+                    continue
+                logger.warning(f"a batch of {len(parts)} requests failed; translating each alone")
+            for part in parts:  # one bad sentence must not fail the requests batched with it
+                try:
+                    self._translate_parts([part], decode)
+                except Exception:  # noqa: BLE001 - answered 500, logged; the others go on
+                    self._fail(part[0])
+
+    def _translate_parts(self, parts: list[tuple[Job, int, int]], decode: DecodeConfig) -> None:
+        sentences = [s for job, start, end in parts for s in job.sentences[start:end]]
+        start_time = time.perf_counter()
+        hyps = self.translator.translate_nbest(sentences, decode)
+        seconds = time.perf_counter() - start_time
+        self.metrics.batch(len(sentences), seconds)
+        rate = len(sentences) / max(seconds, 1e-6)
+        self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
+        results = iter(hyps)
+        for job, start, end in parts:
+            job.results += [next(results) for _ in range(start, end)]
+            if len(job.results) == len(job.sentences):
+                job.finish(job.results)
+
+    def _fail(self, job: Job) -> None:
+        """Called in an except block: the traceback goes to the log, the request gets a bare error."""
+        logger.exception(f"translation failed for a request of {len(job.sentences)} sentences")
+        self.withdraw(job)
+        job.finish(error=TranslationFailed())

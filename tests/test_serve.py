@@ -4,19 +4,18 @@ inputs, hostile bodies, metrics; and the faults: 256 clients against a small que
 
 from __future__ import annotations
 
+import html
 import http.client
 import json
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 from conftest import invoke
+from faults_serve import Server
 
 from mtcli.segment import join, split_html, split_long, split_text
 from mtcli.tokenizer import Tokenizer
@@ -62,61 +61,34 @@ def test_html_keeps_markup_and_escapes_translations():
     assert out.startswith('<p class="x">&lt;1&gt; 2 &amp; 3</p><pre>') and out.endswith("<br/>4")
 
 
+@pytest.mark.parametrize(
+    "markup",
+    [
+        "<![CDATA[x < y && z]]>",  # HTMLParser hands over "CDATA[x < y && z"; the end was written back as ]>
+        "<![CDATA[]]>",
+        "<![CDATA[a]b]]>",
+        "<![if !IE]>",  # MS Office's conditionals end with ]>
+        "<![endif]>",
+        "<!--[if IE]><p>old</p><![endif]-->",
+        "<!DOCTYPE html>",
+        "<?xml version='1.0'?>",
+    ],
+)
+def test_html_declarations_and_marked_sections_are_kept_exactly(markup):
+    source = f"<p>I love apples.</p>{markup}<p>Tom eats fish.</p>"
+    segments = split_html(source, "en")
+    assert segments.pieces == ["I love apples.", "Tom eats fish."]
+    assert join(segments, segments.pieces, "en") == source
+
+
+@pytest.mark.parametrize("text", ["<![ CDATA[a]]> b", "a <![[b]]> c", "<![style x]]>Hi", "<![CDATA[never closed"])
+def test_html_a_marked_section_the_parser_cannot_read_is_text(text):
+    segments = split_html(text, "en")  # HTMLParser raised AssertionError on these (a 500)
+    assert html.unescape(join(segments, segments.pieces, "en")) == text
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # A server in a subprocess
-
-
-class Server:
-    """`mtcli serve` on 127.0.0.1 at a free port (read from its start line); stop() sends SIGTERM."""
-
-    def __init__(self, run: Path, *args: str):
-        command = [sys.executable, "-m", "mtcli", "serve", "--run", str(run), "--port", "0", *args]
-        self.proc = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=run.parent)
-        self.log: list[str] = []
-        lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
-        deadline = time.monotonic() + 120
-        while True:
-            line = lines.get(timeout=max(deadline - time.monotonic(), 0.1))
-            assert line is not None, f"mtcli serve exited: {''.join(self.log)}"
-            if match := re.search(r"at http://127\.0\.0\.1:(\d+)/", line):
-                self.port = int(match[1])
-                break
-        self.responses = 0  # answers this test received (compared with the server's own count at exit)
-
-    def _read(self, lines: queue.Queue) -> None:
-        for line in self.proc.stderr:
-            self.log.append(line)
-            lines.put(line)
-        lines.put(None)
-
-    def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 60):
-        """(status, headers, parsed JSON or text); `body` as bytes goes as it is, anything else as JSON."""
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
-        try:
-            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-            connection.request(method, path, data, {"Content-Type": "application/json", **(headers or {})})
-            response = connection.getresponse()
-            raw = response.read()
-        finally:
-            connection.close()
-        self.responses += 1
-        kind = response.getheader("Content-Type", "")
-        return response.status, dict(response.getheaders()), json.loads(raw) if "json" in kind else raw.decode()
-
-    def post(self, path: str, body, **kwargs):
-        return self.request("POST", path, body, **kwargs)
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
-
-    def answered(self) -> tuple[int, int]:
-        """The server's own count at exit: (answered, accepted)."""
-        match = re.search(r"answered (\d+) of (\d+) accepted", "".join(self.log))
-        assert match, "".join(self.log)
-        return int(match[1]), int(match[2])
 
 
 def assert_error(answer, status: int, *words: str):
