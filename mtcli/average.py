@@ -5,8 +5,6 @@ final models, written as a checkpoint folder that every command takes.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -14,11 +12,13 @@ import torch
 from mtcli.checkpoint import checkpoint_dir, checkpoint_file, list_checkpoints, read_metadata
 from mtcli.errors import MtcliError
 from mtcli.log import logger
+from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
 from mtcli.tokenizer import Tokenizer
 
 
-def average_last(run_dir: Path, last: int, out: Path | None = None) -> Path:
-    """Average a run's last `last` numbered checkpoints into `out` (default <run>/checkpoints/average_last<N>)."""
+def average_last(run_dir: Path, last: int, out: Path | None = None, force: bool = False) -> Path:
+    """Average a run's last `last` numbered checkpoints into `out` (default <run>/checkpoints/average_last<N>); an
+    earlier average there is replaced only with `force`."""
     found = list_checkpoints(run_dir)
     if last < 1:
         raise MtcliError(f"--last {last}: average at least 1 checkpoint")
@@ -27,17 +27,20 @@ def average_last(run_dir: Path, last: int, out: Path | None = None) -> Path:
             f"{run_dir} has {len(found)} checkpoint(s), fewer than --last {last}; raise train.keep_last to keep more"
         )
     out = Path(out) if out else checkpoint_dir(run_dir) / f"average_last{last}"
-    average_checkpoints(found[-last:], out)
+    average_checkpoints(found[-last:], out, force)
     logger.info(f"averaged {', '.join(p.name for p in found[-last:])}")
     return out
 
 
-def average_checkpoints(paths: list[Path], out: Path) -> Path:
-    """Average the weights of `paths` (as the paper does for its final models) into checkpoint folder `out`."""
+def average_checkpoints(paths: list[Path], out: Path, force: bool = False) -> Path:
+    """Average the weights of `paths` (as the paper does for its final models) into checkpoint folder `out`: a new
+    or empty folder, or with `force` an earlier average (mtcli.outputs' rule)."""
     from safetensors.torch import load_file, save_file
 
     if not paths:
         raise MtcliError("no checkpoints to average")
+    refuse_input_overlap(out, paths, "--output")
+    check_folder_target(out, "average", force, "--output")
     metas = [read_metadata(p) for p in paths]
     reference = json.loads(metas[0]["config"])
     total: dict[str, torch.Tensor] = {}
@@ -61,16 +64,9 @@ def average_checkpoints(paths: list[Path], out: Path) -> Path:
             total[name] = total[name] + tensor.double() if name in total else tensor.double()
             dtypes[name] = tensor.dtype
     averaged = {name: (t / len(paths)).to(dtypes[name]).contiguous() for name, t in total.items()}
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        metadata = dict(metas[-1])
-        metadata["averaged"] = json.dumps([p.name for p in paths])
-        save_file(averaged, str(tmp / "model.safetensors"), metadata=metadata)
-        Tokenizer.from_folder(checkpoint_file(paths[-1]).parent).copy_to(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    metadata = dict(metas[-1])
+    metadata["averaged"] = json.dumps([p.name for p in paths])
+    with new_folder(out, "average", force, "--output") as folder:
+        save_file(averaged, str(folder / "model.safetensors"), metadata=metadata)
+        Tokenizer.from_folder(checkpoint_file(paths[-1]).parent).copy_to(folder)
     return out

@@ -46,6 +46,7 @@ EnsembleOpt = typer.Option(
     "probabilities; same SentencePiece model needed (repeatable).",
 )
 DeviceOpt = typer.Option("auto", help="auto, cpu, cuda or cuda:N.")
+ForceOpt = typer.Option(False, "--force", help="Replace this command's own earlier output there (never other files).")
 PrecisionOpt = typer.Option(
     None,
     help="auto (bf16 where the device has fast bf16, else fp32), fp32, bf16 or int8 (CPU); default decode.precision.",
@@ -118,7 +119,9 @@ def translate(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
     input_file: Path = typer.Option(None, "--input", "-i", help="Translate this file, one sentence per line."),
-    output_file: Path = typer.Option(None, "--output", "-o", help="Write translations here (default: stdout)."),
+    output_file: Path = typer.Option(
+        None, "--output", "-o", help="Write translations here (default: stdout); an existing file needs --force."
+    ),
     beam: int = typer.Option(None, help="Beam size (1: greedy); default from the run's config."),
     nbest: int = typer.Option(
         None, help="Print the n best as Moses n-best lines (`i ||| text ||| features ||| score`)."
@@ -138,6 +141,7 @@ def translate(
     ensemble: list[Path] = EnsembleOpt,
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
+    force: bool = typer.Option(False, "--force", help="Replace an existing --output file."),
 ):
     """Translate sentences, a file or stdin with a trained run.
 
@@ -147,6 +151,7 @@ def translate(
     from mtcli.config_loader import with_overrides
     from mtcli.corpus import read_lines
     from mtcli.line_io import chunked, stdin_chunks, write_translations
+    from mtcli.outputs import check_file_target, new_file
     from mtcli.translate import Translator, decode_settings, resolve_checkpoint
 
     if text and text != ["-"] and input_file is not None:
@@ -154,29 +159,29 @@ def translate(
     stdin = input_file is None and text in ([], None, ["-"])
     if stdin and sys.stdin.isatty() and text != ["-"]:
         raise MtcliError("nothing to translate: give sentences, --input FILE, or pipe text into stdin")
+    if output_file is not None:  # before anything is read: --output may be the input, or someone's file
+        check_file_target(output_file, force, [input_file, run, checkpoint, *(ensemble or [])])
     lines = read_lines(input_file) if input_file is not None else None
-    try:
-        out = open(output_file, "w", encoding="utf-8") if output_file else sys.stdout
-    except OSError as e:
-        raise MtcliError(f"--output {output_file}: cannot write ({e.strerror})") from None
-    try:
-        ckpt = resolve_checkpoint(run, checkpoint)
-        options = dict(beam=beam, nbest=nbest, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
-        options |= dict(sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
-        options |= dict(batch_tokens=batch_tokens, precision=precision)
-        decode = decode_settings(with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode, **options)
-        translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
-        translator.split_long = split_long
-        if stdin:
-            max_chars = 1 << 26 if split_long else translator.max_chars  # split: keep a long line whole
-            write_translations(translator, stdin_chunks(max_chars=max_chars), decode, out)
-        elif lines is not None:
-            write_translations(translator, chunked(lines), decode, out, total=len(lines))
-        else:
-            write_translations(translator, [list(text)], decode, out)
-    finally:
-        if output_file:
-            out.close()
+    ckpt = resolve_checkpoint(run, checkpoint)
+    options = dict(beam=beam, nbest=nbest, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
+    options |= dict(sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
+    options |= dict(batch_tokens=batch_tokens, precision=precision)
+    decode = decode_settings(with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode, **options)
+    translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
+    translator.split_long = split_long
+    if stdin:
+        max_chars = 1 << 26 if split_long else translator.max_chars  # split: keep a long line whole
+        chunks, total = stdin_chunks(max_chars=max_chars), 0
+    elif lines is not None:
+        chunks, total = chunked(lines), len(lines)
+    else:
+        chunks, total = [list(text)], 0
+    if output_file is None:
+        write_translations(translator, chunks, decode, sys.stdout, total)
+        return
+    # into a temporary sibling, renamed onto --output only when every line is written: an error leaves it untouched
+    with new_file(output_file, force, [input_file]) as out:
+        write_translations(translator, chunks, decode, out, total)
 
 
 @app.command("eval", short_help="Score a split or files: BLEU, chrF, chrF++, TER; confidence, paired tests.")
@@ -191,7 +196,9 @@ def evaluate(
     compare: list[str] = typer.Option(
         None, "--compare", help="A run, checkpoint folder or file of hypotheses to test against this one (repeatable)."
     ),
-    sentence_scores: Path = typer.Option(None, "--sentence-scores", help="Write per-segment scores (JSON lines)."),
+    sentence_scores: Path = typer.Option(
+        None, "--sentence-scores", help="Write per-segment scores (JSON lines); an existing file needs --force."
+    ),
     beam: int = typer.Option(None, help="Beam size (1: greedy); default from the run's config."),
     lenpen: float = typer.Option(None, help="Length penalty alpha."),
     batch_tokens: int = typer.Option(None, "--batch-tokens", help="Source subwords per batch."),
@@ -201,6 +208,7 @@ def evaluate(
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --sentence-scores file."),
 ):
     """Translate a split (or --src/--ref files) and report sacreBLEU's BLEU, chrF, chrF++ and TER with their
     signatures; --compare tests other systems against this one (paired bootstrap and approximate randomization).
@@ -211,9 +219,12 @@ def evaluate(
     from mtcli.config_loader import with_overrides
     from mtcli.evaluate import ScoreOptions, eval_config, evaluation_set, format_report, parse_metrics
     from mtcli.evaluate import evaluate as run_eval
+    from mtcli.outputs import check_file_target
     from mtcli.translate import Translator, decode_settings, resolve_checkpoint
 
     scoring = ScoreOptions(parse_metrics(metrics), lowercase, confidence)
+    if sentence_scores is not None:  # before translating: --sentence-scores may be an input, or someone's file
+        check_file_target(sentence_scores, force, [src, *(refs or [])], "--sentence-scores")
     ckpt = resolve_checkpoint(run, checkpoint)
     cfg = with_overrides(eval_config(ckpt, run if checkpoint is not None else None), overrides or [], ("decode",))
     sources, references, stem = evaluation_set(cfg, split, src, refs or [])
@@ -236,6 +247,7 @@ def average(
     output: Path = typer.Option(
         None, "--output", help="Checkpoint folder to write (default: <run>/checkpoints/average_last<N>)."
     ),
+    force: bool = ForceOpt,
 ):
     """Average the weights of a run's last N checkpoints into a new checkpoint.
 
@@ -243,7 +255,7 @@ def average(
     """
     from mtcli.average import average_last
 
-    print(average_last(run, last, output))
+    print(average_last(run, last, output, force))
 
 
 @app.command(short_help="Export a checkpoint to Hugging Face Transformers or CTranslate2.")
@@ -251,7 +263,8 @@ def export(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
     format: str = typer.Option(..., "--format", help="hf (Transformers model + tokenizer) or ctranslate2."),
-    out: Path = typer.Option(..., "--out", help="Folder to write."),
+    out: Path = typer.Option(..., "--out", help="Folder to write: new or empty (or an earlier export, with --force)."),
+    force: bool = ForceOpt,
     quantization: str = typer.Option(
         "none", help="CTranslate2 weights: none (float32), int8, int8_float32, float16, bfloat16, int8_bfloat16."
     ),
@@ -269,8 +282,11 @@ def export(
         raise MtcliError(f"--format {format}: choose hf or ctranslate2")
     if format == "hf" and quantization != "none":
         raise MtcliError("--quantization applies to --format ctranslate2 only")
+    kinds = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
+    if quantization not in kinds:
+        raise MtcliError(f"--quantization {quantization}: choose one of {', '.join(kinds)}")
     ckpt = resolve_checkpoint(run, checkpoint)
-    print(export_hf(ckpt, out) if format == "hf" else export_ctranslate2(ckpt, out, quantization))
+    print(export_hf(ckpt, out, force) if format == "hf" else export_ctranslate2(ckpt, out, quantization, force))
 
 
 @app.command("import", short_help="Import a Hugging Face MarianMT (opus-mt) model as an mtcli run.")
@@ -278,8 +294,9 @@ def import_model(
     hf: str = typer.Option(
         ..., "--hf", help="A MarianMT model folder, or a Hub name such as Helsinki-NLP/opus-mt-en-de."
     ),
-    out: Path = typer.Option(..., "--out", help="Run directory to write."),
+    out: Path = typer.Option(..., "--out", help="Run directory to write: new or empty (an earlier import: --force)."),
     revision: str = typer.Option(None, help="Hub revision (branch, tag or commit) of a Hub name."),
+    force: bool = ForceOpt,
 ):
     """Import a MarianMT model (config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm,
     vocab.json) as a run directory that translate, eval, export, average and train (--set train.init_from=DIR) take.
@@ -289,30 +306,35 @@ def import_model(
     """
     from mtcli.marian import import_marian
 
-    print(import_marian(hf, out, revision))
+    print(import_marian(hf, out, revision, force))
 
 
 @app.command(short_help="Draw the cross-attention of a translation as a heat map.")
 def attention(
     sentence: str = typer.Argument(..., help="The sentence to translate."),
-    out: Path = typer.Option(..., "--out", "-o", help="Picture to write (.png, .svg or .pdf)."),
+    out: Path = typer.Option(
+        ..., "--out", "-o", help="Picture to write (.png, .svg or .pdf); an existing file needs --force."
+    ),
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
     layer: int = typer.Option(None, help="Decoder layer, from 0 (default: the mean over layers)."),
     head: int = typer.Option(None, help="Attention head, from 0 (default: the mean over heads)."),
     device: str = DeviceOpt,
+    force: bool = typer.Option(False, "--force", help="Replace an existing --out picture."),
 ):
     """Translate a sentence (greedy) and draw which source pieces each output piece attended to. Needs matplotlib:
     pip install 'mtcli[plot]'.
 
     Example: mtcli attention "I love apples" --run runs/toy --out attn.png --layer 1
     """
+    from mtcli.outputs import check_file_target
     from mtcli.pictures import cross_attention, plot_attention
     from mtcli.translate import Translator
 
+    check_file_target(out, force, [run, checkpoint], "--out")
     result = cross_attention(Translator.from_run(run, checkpoint, device, precision="fp32"), sentence)
     print(result.translation)
-    print(plot_attention(result, out, layer, head))
+    print(plot_attention(result, out, layer, head, force))
 
 
 @app.command(short_help="Serve a model over HTTP: LibreTranslate's API, batching, a page to try it.")
@@ -333,6 +355,10 @@ def serve(
     max_sentences: int = typer.Option(512, "--max-sentences", help="Sentences per request (413 above)."),
     max_chars: int = typer.Option(20_000, "--max-chars", help="Characters per text (413 above)."),
     max_beam: int = typer.Option(16, "--max-beam", help="Largest beam (and alternatives + 1) a request may ask."),
+    max_tokens: int = typer.Option(
+        16_384, "--max-tokens", help="Source subwords per request, after tokenizing (413 above)."
+    ),
+    body_timeout: float = typer.Option(10.0, "--body-timeout", help="Seconds for a request's body to arrive (408)."),
 ):
     """Serve a trained run over HTTP: POST /translate and GET /languages (LibreTranslate's API), POST /v1/translate
     (every decode setting, scores, n-best), GET /health, /metrics and / (a page to try it). Needs the serve extra:
@@ -346,8 +372,19 @@ def serve(
     from mtcli.serve_requests import ServeLimits, read_api_keys
     from mtcli.translate import Translator, decode_settings, resolve_checkpoint
 
+    if not 0 <= port <= 65535:  # before the model loads
+        raise MtcliError(f"--port {port}: choose 0 to 65535 (0: a free one)")
     limits = ServeLimits(
-        max_body_bytes, max_sentences, max_chars, queue_size, timeout, max_wait_ms, max_beam, read_api_keys(api_keys)
+        max_body_bytes,
+        max_sentences,
+        max_chars,
+        queue_size,
+        timeout,
+        max_wait_ms,
+        max_beam,
+        read_api_keys(api_keys),
+        max_tokens=max_tokens,
+        body_timeout=body_timeout,
     )
     ckpt = resolve_checkpoint(run, checkpoint)
     decode = with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode

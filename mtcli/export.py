@@ -30,6 +30,7 @@ from mtcli.checkpoint import load_model
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.marian import interleaved_to_halves, layer_weight_map, permute_model_dimension
+from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
 from mtcli.tokenizer import MarianVocabTokenizer
 
 
@@ -67,9 +68,12 @@ def _check_exportable_hf(model) -> None:
 # Hugging Face Transformers
 
 
-def export_hf(checkpoint: Path, out: Path) -> Path:
-    """Write a Transformers model directory (config, safetensors weights, generation config, tokenizer) to `out`."""
+def export_hf(checkpoint: Path, out: Path, force: bool = False) -> Path:
+    """Write a Transformers model directory (config, safetensors weights, generation config, tokenizer) to `out`
+    (a new or empty folder, or with `force` this export's own earlier output: see mtcli.outputs)."""
     transformers = _need("transformers")
+    refuse_input_overlap(out, [checkpoint], "--out")
+    check_folder_target(out, "export --format hf", force)  # before the model is built
     model, config, tokenizer = load_model(checkpoint, "cpu")
     _check_exportable_hf(model)
     c, specials = config.model, model.specials
@@ -120,10 +124,9 @@ def export_hf(checkpoint: Path, out: Path) -> Path:
         length_penalty=config.decode.lenpen,
         max_length=c.max_positions,
     )
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    hf_model.save_pretrained(out)
-    _save_hf_tokenizer(tokenizer, config, out, transformers)
+    with new_folder(out, "export --format hf", force) as folder:
+        hf_model.save_pretrained(folder)
+        _save_hf_tokenizer(tokenizer, config, folder, transformers)
     logger.info(f"exported {checkpoint} as {type(hf_model).__name__} ({c.norm}-norm) to {out}")
     return out
 
@@ -203,10 +206,14 @@ def _save_hf_tokenizer(tokenizer, config, out: Path, transformers) -> None:
 # CTranslate2
 
 
-def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = None) -> Path:
-    """Write a CTranslate2 model directory (weights quantized as asked) with the SentencePiece model beside it."""
+def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = None, force: bool = False) -> Path:
+    """Write a CTranslate2 model directory (weights quantized as asked) with the SentencePiece model beside it (a new
+    or empty folder, or with `force` this export's own earlier output: see mtcli.outputs)."""
     ctranslate2 = _need("ctranslate2")
     from ctranslate2.converters.converter import Converter
+
+    refuse_input_overlap(out, [checkpoint], "--out")
+    check_folder_target(out, "export --format ctranslate2", force)
 
     model, config, tokenizer = load_model(checkpoint, "cpu")
 
@@ -214,14 +221,14 @@ def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = N
         def _load(self):
             return _ctranslate2_spec(model, tokenizer, ctranslate2)
 
-    out = Path(out)
-    MtcliConverter().convert(
-        str(out), quantization=None if quantization in (None, "none") else quantization, force=True
-    )
-    tokenizer.copy_to(out)  # spm.model, or spm.src.model and spm.tgt.model: the names a run directory uses
-    (out / "mtcli.json").write_text(
-        json.dumps({"checkpoint": str(checkpoint), "src_lang": config.data.src_lang, "tgt_lang": config.data.tgt_lang})
-    )
+    with new_folder(out, "export --format ctranslate2", force) as folder:
+        # the converter empties its output folder first (force=True): here that is the temporary folder, never `out`
+        MtcliConverter().convert(
+            str(folder), quantization=None if quantization in (None, "none") else quantization, force=True
+        )
+        tokenizer.copy_to(folder)  # spm.model, or spm.src.model and spm.tgt.model: the names a run directory uses
+        languages = {"src_lang": config.data.src_lang, "tgt_lang": config.data.tgt_lang}
+        (folder / "mtcli.json").write_text(json.dumps({"checkpoint": str(checkpoint), **languages}))
     logger.info(f"exported {checkpoint} to CTranslate2 ({quantization or 'float32'}) in {out}")
     return out
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 
 from mtcli.errors import MtcliError
+from mtcli.hub import hub_offline, require_hub
+from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
 
 # mtcli's names inside a layer -> the HF names whose rows, concatenated, make the tensor (fused q/k/v and k/v)
 _SHARED_LAYER = {
@@ -85,26 +87,34 @@ TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json")
 ACTIVATIONS = {"swish": "swish", "silu": "swish", "relu": "relu", "gelu": "gelu"}
 
 
-def resolve_source(source: str, revision: str | None = None) -> Path:
-    """A local MarianMT folder as it is; a Hub name (`Helsinki-NLP/opus-mt-en-de`) downloaded with huggingface_hub,
-    after a probe that fails within seconds when the Hub is out of reach."""
+def resolve_source(source: str, revision: str | None = None) -> tuple[Path, Path]:
+    """The model folder, and the folder its files may point into: a local MarianMT folder as it is (itself); a Hub
+    name (`Helsinki-NLP/opus-mt-en-de`) downloaded with huggingface_hub, after a probe that fails within seconds when
+    the Hub is out of reach (the snapshot's files link into the cached repository's blobs/)."""
     path = Path(source)
     if path.is_dir():
-        return path
+        return path, path
     if path.exists() or source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise MtcliError(f"--hf {source}: no such folder (give a MarianMT model folder or a Hub name)")
-    from huggingface_hub import snapshot_download
-
-    from mtcli.hub import hub_offline, require_hub
-
     if not hub_offline():
         require_hub(f"the model `{source}`", "A local folder works instead: mtcli import --hf PATH_TO_MODEL_FOLDER")
+    from huggingface_hub import snapshot_download
+
     patterns = ["*.json", "*.spm", "*.safetensors", "pytorch_model.bin"]
     try:
-        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
+        snapshot = Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds: not found, gated, offline, ...
         reason = " ".join(str(e).split())[:300] or type(e).__name__
         raise MtcliError(f"--hf {source}: download failed ({reason}); a local model folder works too") from None
+    return snapshot, snapshot.parents[1]  # <cache>/models--org--name/snapshots/<commit>
+
+
+def inside(path: Path, root: Path) -> Path:
+    """`path`, refused when it is a link that leads out of `root` (a model folder must not copy /etc/passwd)."""
+    real, real_root = path.resolve(), root.resolve()
+    if path.exists() and real != real_root and real_root not in real.parents:
+        raise MtcliError(f"{path}: refused: it links to {real}, outside the model folder {root}; copy the real file in")
+    return path
 
 
 def read_json(path: Path) -> dict:
@@ -143,12 +153,13 @@ def check_marian_config(hf: dict, where: Path) -> None:
         refuse("shared encoder/decoder embeddings with a separate output matrix (mtcli ties all three or none)")
 
 
-def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path, root: Path | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors, from model.safetensors or pytorch_model.bin. The .bin file is read with
     weights_only=True: a pickle that would run code is refused, never executed."""
     path = next((folder / name for name in WEIGHT_FILES if (folder / name).is_file()), None)
     if path is None:
         raise MtcliError(f"{folder}: no model.safetensors or pytorch_model.bin")
+    inside(path, root or folder)
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
@@ -172,6 +183,33 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return {
         k if k.startswith(("model.", "lm_head", "final_logits_bias")) else f"model.{k}": v for k, v in weights.items()
     }
+
+
+MAX_POSITIONS = 1 << 16  # no MarianMT model has more; a hostile config.json's 1e9 would allocate a 1e9 x d table
+
+
+def check_weight_shapes(hf: dict, hf_sd: dict[str, torch.Tensor], where: Path) -> None:
+    """config.json's sizes checked against the tensors the weights file holds, before a model of that size is built:
+    a hostile or damaged config (a million layers, a billion positions) is refused instead of allocating gigabytes."""
+    keys = ("d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "vocab_size")
+    for key in (*keys, "max_position_embeddings", "decoder_vocab_size"):
+        value = hf.get(key)
+        if (value is not None or key in keys) and (type(value) is not int or value < 1):
+            raise MtcliError(f"{where}: `{key}` is {str(value)[:40]!r}; expected a positive whole number")
+    if hf.get("max_position_embeddings", 1024) > MAX_POSITIONS:
+        raise MtcliError(f"{where}: max_position_embeddings {hf['max_position_embeddings']} is over {MAX_POSITIONS}")
+    if hf["d_model"] % hf["encoder_attention_heads"]:
+        raise MtcliError(f"{where}: d_model {hf['d_model']} is not a multiple of {hf['encoder_attention_heads']} heads")
+    embed = next((hf_sd[n] for n in ("model.shared.weight", "model.encoder.embed_tokens.weight") if n in hf_sd), None)
+    found = {"d_model": None if embed is None else embed.shape[-1]}
+    for side in ("encoder", "decoder"):
+        layers = {int(n.split(".")[3]) for n in hf_sd if n.startswith(f"model.{side}.layers.") and n.count(".") > 4}
+        found[f"{side}_layers"] = max(layers) + 1 if layers else 0
+    fc1 = hf_sd.get("model.encoder.layers.0.fc1.weight")
+    found["encoder_ffn_dim"] = None if fc1 is None else fc1.shape[0]
+    for key, value in found.items():
+        if value != hf[key]:
+            raise MtcliError(f"{where}: `{key}` is {hf[key]}, but the weights file has {value}; the two do not match")
 
 
 def mtcli_weights(hf_sd: dict[str, torch.Tensor], hf: dict, cfg) -> dict[str, torch.Tensor]:
@@ -215,44 +253,48 @@ def write_special_ids(hf: dict, folder: Path, out: Path) -> Path:
     return path
 
 
-def copy_tokenizer_files(folder: Path, separate: bool, out: Path) -> list[Path]:
+def copy_tokenizer_files(folder: Path, root: Path, separate: bool, out: Path) -> list[Path]:
     names = [*TOKENIZER_FILES, *(["target_vocab.json"] if separate else [])]
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise MtcliError(f"{folder}: missing {', '.join(missing)} (a MarianMT tokenizer needs {', '.join(names)})")
     for name in names:
-        shutil.copyfile(folder / name, out / name)
+        shutil.copyfile(inside(folder / name, root), out / name)
     return [out / name for name in names]
 
 
-def import_marian(source: str, out: Path, revision: str | None = None) -> Path:
+def import_marian(source: str, out: Path, revision: str | None = None, force: bool = False) -> Path:
     """Write an mtcli run directory (config.yaml, the tokenizer, checkpoints/update_00000000 as `best`) holding the
-    MarianMT model at `source`; `translate`, `eval`, `export`, `train --set train.init_from=...` take it."""
-    from mtcli.checkpoint import list_checkpoints
+    MarianMT model at `source`; `translate`, `eval`, `export`, `train --set train.init_from=...` take it. `out` is a
+    new or empty folder (or, with `force`, an earlier import): it is written whole or not at all (mtcli.outputs)."""
     from mtcli.tokenizer import MarianVocabTokenizer
 
-    folder, out = resolve_source(source, revision), Path(out)
-    hf = read_json(folder / "config.json")
+    out = Path(out)
+    refuse_input_overlap(out, [source] if Path(source).exists() else [], "--out")
+    check_folder_target(out, "import", force)  # before a download
+    folder, root = resolve_source(source, revision)
+    refuse_input_overlap(out, [folder], "--out")
+    hf = read_json(inside(folder / "config.json", root))
     check_marian_config(hf, folder / "config.json")
     tokenizer_config = (
-        read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+        read_json(inside(folder / "tokenizer_config.json", root))
+        if (folder / "tokenizer_config.json").is_file()
+        else {}
     )
     separate = bool(tokenizer_config.get("separate_vocabs", False))
-    if list_checkpoints(out):
-        raise MtcliError(f"--out {out} already holds checkpoints; choose another folder")
-    hf_sd = read_weights(folder)  # before anything is written: a refused file leaves no half-made run
-    out.mkdir(parents=True, exist_ok=True)
-    written = copy_tokenizer_files(folder, separate, out)
-    written.append(write_special_ids(hf, folder, out))
-    try:
-        return _import_into(out, folder, hf, hf_sd, tokenizer_config, MarianVocabTokenizer(out), separate, source)
-    except MtcliError:
-        for path in written:  # a refused import leaves no half-made run behind
-            path.unlink(missing_ok=True)
-        raise
+    hf_sd = read_weights(folder, root)  # before anything is written
+    check_weight_shapes(hf, hf_sd, folder / "config.json")  # before a model of config.json's size is built
+    generation = read_optional_json(folder / "generation_config.json", root)
+    with new_folder(out, "import", force) as work:
+        copy_tokenizer_files(folder, root, separate, work)
+        write_special_ids(hf, folder, work)
+        tokenizer = MarianVocabTokenizer(work)
+        _import_into(work, out.name, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source)
+    return out
 
 
-def _import_into(out: Path, folder: Path, hf: dict, hf_sd: dict, tokenizer_config: dict, tokenizer, separate, source):
+def _import_into(work: Path, name: str, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source):
+    """Fill the temporary run folder `work` (the run will be called `name`)."""
     from mtcli.checkpoint import checkpoint_dir, save_checkpoint, write_json_atomic
     from mtcli.model import Transformer
 
@@ -262,23 +304,20 @@ def _import_into(out: Path, folder: Path, hf: dict, hf_sd: dict, tokenizer_confi
         expected = hf.get(key) or hf.get("vocab_size")
         if size != expected:
             raise MtcliError(f"{folder}: config.json's {key} is {expected}, but the vocabulary file has {size} entries")
-    config = marian_run_config(
-        hf, tokenizer_config, read_optional_json(folder / "generation_config.json"), out.name, separate
-    )
+    config = marian_run_config(hf, tokenizer_config, generation, name, separate)
     model = Transformer(config.model, *sizes.values(), tokenizer.joint, tokenizer.specials)
     weights = mtcli_weights(hf_sd, hf, config.model)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
         raise MtcliError(f"{folder}: the weights do not fit the model config.json describes ({str(e)[:300]})") from None
-    (out / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
-    path = save_checkpoint(out, 0, model, config, tokenizer, metadata={"imported_from": str(source)})
-    write_json_atomic(checkpoint_dir(out) / "best.json", {"checkpoint": path.name, "update": 0, "metric": "imported"})
-    return out
+    (work / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
+    path = save_checkpoint(work, 0, model, config, tokenizer, metadata={"imported_from": str(source)})
+    write_json_atomic(checkpoint_dir(work) / "best.json", {"checkpoint": path.name, "update": 0, "metric": "imported"})
 
 
-def read_optional_json(path: Path) -> dict:
-    return read_json(path) if path.is_file() else {}
+def read_optional_json(path: Path, root: Path) -> dict:
+    return read_json(inside(path, root)) if path.is_file() else {}
 
 
 def marian_run_config(hf: dict, tokenizer_config: dict, generation: dict, name: str, separate: bool):

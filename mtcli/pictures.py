@@ -17,6 +17,7 @@ import torch
 
 from mtcli.errors import MtcliError
 from mtcli.log import logger
+from mtcli.outputs import check_file_target, new_file
 from mtcli.translate import Translator
 
 
@@ -64,8 +65,11 @@ def _weights(attn, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
     return (q.float() @ k.float().transpose(-1, -2) / math.sqrt(d // H)).softmax(-1)
 
 
-def plot_attention(result: CrossAttention, out: Path, layer: int | None = None, head: int | None = None) -> Path:
-    """A heat map (target pieces down, source pieces across) of one layer and head, or their mean when None."""
+def plot_attention(
+    result: CrossAttention, out: Path, layer: int | None = None, head: int | None = None, force: bool = False
+) -> Path:
+    """A heat map (target pieces down, source pieces across) of one layer and head, or their mean when None, written
+    to `out` (an existing file is replaced only with `force`, and only once the picture is complete)."""
     try:
         import matplotlib
 
@@ -90,13 +94,18 @@ def plot_attention(result: CrossAttention, out: Path, layer: int | None = None, 
     ax.set_title(f"cross-attention ({what})", fontsize=10)
     has_font = _use_cjk_font(plt, result.source + result.target)
     out = Path(out)
+    check_file_target(out, force, option="--out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    with warnings.catch_warnings():
+    picture_format = out.suffix.lstrip(".").lower() or "png"
+    if picture_format not in fig.canvas.get_supported_filetypes():
+        plt.close(fig)
+        raise MtcliError(f"--out {out}: .{picture_format} is not a picture format (use .png, .svg or .pdf)")
+    with warnings.catch_warnings(), new_file(out, force, option="--out", binary=True) as handle:
         if not has_font:
             warnings.simplefilter("ignore")  # one "missing glyph" warning per character otherwise
             logger.warning("note: no CJK font found (e.g. apt install fonts-noto-cjk): those labels show as boxes")
         fig.tight_layout()
-        fig.savefig(out, dpi=120)
+        fig.savefig(handle, dpi=120, format=picture_format)
     plt.close(fig)
     return out
 

@@ -15,6 +15,7 @@ from mtcli import checkpoint as ckpt
 from mtcli.distributed import Dist, restart_count
 from mtcli.errors import MtcliError
 from mtcli.log import add_log_file, logger, remove_log_file
+from mtcli.outputs import check_run_dir, mark_run_dir
 
 
 class RunLock:
@@ -64,6 +65,7 @@ def open_run_dir(run_dir: Path, resume: bool, d: Dist) -> OpenRunDir:
     if not d.main:
         logger.setLevel("WARNING")  # one process reports
         return OpenRunDir()
+    check_run_dir(run_dir, resume)  # a folder of the user's gets no .lock, config.yaml or checkpoints
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = RunLock(run_dir)  # before looking inside: another process may be writing it
     try:
@@ -76,6 +78,7 @@ def open_run_dir(run_dir: Path, resume: bool, d: Dist) -> OpenRunDir:
         if resume and existing is None:
             raise MtcliError(f"--resume: {run_dir} has no checkpoint to resume from")
         ckpt.remove_temporary(run_dir)
+        mark_run_dir(run_dir, "train")
     except MtcliError:
         lock.release()
         raise

@@ -104,7 +104,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     cfg = fine_tuning_config(cfg)
     tc = cfg.train
     d, device = Dist.from_env(tc.device)
-    run_dir = Path(run_dir or Path("runs") / cfg.name)
+    run_dir = Path(run_dir or Path("runs") / plain_run_name(cfg.name))
     if tc.threads:
         torch.set_num_threads(tc.threads)
     resume = resume or torchrun_restart(run_dir)
@@ -171,6 +171,13 @@ def fine_tuning_config(cfg: Config) -> Config:
     if not cfg.data.tokenizer:
         changes["data.tokenizer"] = str(start)
     return cfg.replace(**changes)
+
+
+def plain_run_name(name: str) -> str:
+    """The config's `name` as the folder under ./runs: one plain name, never a path that leads elsewhere."""
+    if not name or name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise MtcliError(f"name: {name[:80]!r} is not a plain run name (no / or ..); to write elsewhere use --run-dir")
+    return name
 
 
 def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume: bool) -> Run:

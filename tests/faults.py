@@ -28,6 +28,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: faults_serve beside it
+from faults_serve import serve_faults  # noqa: E402
+
 RESULTS: list[tuple[str, bool, str]] = []
 
 
@@ -105,8 +108,8 @@ def mtcli(*args, fault: str | None = None) -> list[str]:
     return [*head, *map(str, args)]
 
 
-def run(cmd: list[str], timeout: int = 300, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kwargs)
+def run(cmd: list[str], timeout: int = 300, cwd: Path = ROOT, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, **kwargs)
 
 
 def sets(settings: dict) -> list[str]:
@@ -615,6 +618,62 @@ def bad_inputs(work: Path, cache: Path) -> int:
     return tried
 
 
+def files_are_safe(work: Path) -> int:
+    """Every command that writes, pointed at a folder holding someone's file, at the run itself, at `.` (a user's
+    working directory) and at a file: refused with one line, status 2, and every byte below the user's folders, the
+    run and the working directory the same before and after (checksums)."""
+    import hashlib
+
+    print("your files are safe:", flush=True)
+    run_dir = work / "reference"
+    home = work / "user"
+    foreign, cwd = home / "thesis", home / "cwd"
+    for folder in (foreign, cwd):
+        folder.mkdir(parents=True, exist_ok=True)
+    (foreign / "thesis.tex").write_text("precious\n")
+    (cwd / "notes.txt").write_text("mine\n")
+    afile = home / "out.txt"
+    afile.write_text("someone's text\n")
+    source = home / "in.en"
+    source.write_text("I love apples\n")
+
+    def checksums() -> dict[str, str]:
+        return {
+            str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for top in (home, run_dir)
+            for p in sorted(top.rglob("*"))
+            if p.is_file()
+        }
+
+    writers = {
+        "export --format hf": lambda t: ("export", "--run", run_dir, "--format", "hf", "--out", t),
+        "export --format ctranslate2": lambda t: ("export", "--run", run_dir, "--format", "ctranslate2", "--out", t),
+        "average": lambda t: ("average", "--run", run_dir, "--last", "2", "--output", t),
+        "import": lambda t: ("import", "--hf", run_dir, "--out", t),
+        "train --run-dir": lambda t: ("train", "--config", "toy.yaml", "--run-dir", t, "--set", "train.max_updates=1"),
+        "translate --output": lambda t: ("translate", "--run", run_dir, "--input", source, "--output", t),
+        "eval --sentence-scores": lambda t: ("eval", "--run", run_dir, "--sentence-scores", t),
+        "attention --out": lambda t: ("attention", "I love apples", "--run", run_dir, "--out", t),
+    }
+    targets = {"a folder with a foreign file": foreign, "the run itself": run_dir, ".": Path("."), "a file": afile}
+    tried = 0
+    for command, args in writers.items():
+        for what, target in targets.items():
+            if command.startswith("train") and what == "the run itself":
+                continue  # the run is train's own: it answers "already holds checkpoints; --resume" (tested apart)
+            before = checksums()
+            proc = run(mtcli(*args(target)), cwd=cwd)
+            tried += 1
+            ok, detail = one_line_error(proc)
+            same = checksums() == before
+            record(f"{command} at {what}: refused, nothing changed", ok and same, detail if not ok else "")
+    before = checksums()
+    proc = run(mtcli("translate", "--run", run_dir, "--input", source, "--output", source))
+    tried += 1
+    record("translate --output equal to --input: refused", one_line_error(proc)[0] and checksums() == before)
+    return tried
+
+
 def _first_ids(work: Path, name: str):
     import numpy as np
 
@@ -679,6 +738,9 @@ def main() -> None:
         two_runs(work, cache)
         pickle_payload(work, cache)
         tried = bad_inputs(work, cache)
+        safe_tried = files_are_safe(work)
+        print("the server against hostile clients:", flush=True)
+        serve_tried = serve_faults(work, work / "reference", record)
         peak = big_stdin(work)
     finally:
         if not args.keep:
@@ -686,6 +748,7 @@ def main() -> None:
     failed = [name for name, ok, _ in RESULTS if not ok]
     print(f"\nkills survived: {survived}/{args.kills} (training), {prepare_survived}/3 (data prepare)")
     print(f"bad inputs tried: {tried}; peak RSS of translate on a 100 MB stdin: {peak:,.0f} MB")
+    print(f"writing commands aimed at the user's files, the run and `.`: {safe_tried}; hostile requests: {serve_tried}")
     print(f"cases: {len(RESULTS) - len(failed)}/{len(RESULTS)} passed in {time.time() - start:.0f} s")
     if failed:
         sys.exit("faults: FAILED: " + "; ".join(failed))

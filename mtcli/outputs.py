@@ -1,0 +1,219 @@
+"""Where commands write, and the one rule they all follow: nothing of the user's is deleted or overwritten.
+
+A command that makes a folder (`export`, `import`, `average`) fills a temporary sibling and renames it into place
+only when it is complete, so a failure leaves the filesystem as it found it. The finished folder holds a manifest,
+`.mtcli-output.json`, naming the command and the files it wrote. An existing target is taken only when it is
+empty, or when it is this command's own earlier output and `--force` is given; even then a file the manifest does
+not list (something the user put there) makes it refuse. Anything else non-empty is refused before any work, with
+one line naming what is there. An output that is also an input (the same path, inside it, or holding it) is refused
+before anything is opened.
+
+Files (`translate --output`, `eval --sentence-scores`, `attention --out`) carry no manifest: an existing non-empty
+file is replaced only with `--force`, through a temporary sibling renamed over it when the command has succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TextIO
+
+from mtcli.errors import MtcliError
+
+MANIFEST = ".mtcli-output.json"
+
+
+def _resolved(path: Path) -> Path:
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def _overlaps(a: Path, b: Path) -> bool:
+    """The same path, or one inside the other (through symlinks too)."""
+    ra, rb = Path(a).resolve(), Path(b).resolve()
+    return ra == rb or ra in rb.parents or rb in ra.parents
+
+
+def refuse_input_overlap(target: Path, inputs: Iterable[Path | str], option: str) -> None:
+    """`option TARGET` may not be an input, lie inside one, or hold one."""
+    for source in inputs:
+        if source is not None and Path(source).exists() and _overlaps(target, Path(source)):
+            raise MtcliError(f"{option} {target}: it is also an input ({source}); write to a new folder or file")
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The manifest of a folder an mtcli command wrote, or None (absent or not ours)."""
+    try:
+        manifest = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("command"), str) else None
+
+
+def _files_under(folder: Path) -> list[str]:
+    """Every file and link below `folder`, as sorted relative paths (empty folders are not content)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            found.append(os.path.relpath(os.path.join(root, name), folder))
+    return sorted(found)
+
+
+def check_folder_target(target: Path, command: str, force: bool, option: str = "--out") -> None:
+    """Refuse a target folder this command may not fill (see the module's rule). Nothing is written."""
+    target = Path(target)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise MtcliError(f"{option} {target}: exists and is not a folder; give a new or empty folder")
+    if not target.exists() or not any(target.iterdir()):
+        return
+    manifest = read_manifest(target)
+    if manifest is None or manifest["command"] != command:
+        first = sorted(p.name for p in target.iterdir())[0]
+        whose = f"`mtcli {manifest['command']}`" if manifest else "you or another program"
+        raise MtcliError(
+            f"{option} {target}: the folder is not empty (it holds {first}, written by {whose}); "
+            "give a new or empty folder"
+        )
+    if not force:
+        raise MtcliError(
+            f"{option} {target}: holds an earlier `mtcli {command}` output; pass --force to replace it, or give a "
+            "new folder"
+        )
+    listed = set(manifest.get("files", [])) | {MANIFEST}
+    foreign = [f for f in _files_under(target) if f not in listed]
+    if foreign:
+        raise MtcliError(
+            f"{option} {target}: holds {foreign[0]}, which `mtcli {command}` did not write; --force replaces only "
+            "its own files: move it away first"
+        )
+
+
+@contextmanager
+def new_folder(target: Path, command: str, force: bool = False, option: str = "--out") -> Iterator[Path]:
+    """Yield an empty temporary sibling of `target` to fill; when the block ends without an error, the folder gets
+    its manifest and takes `target`'s place (an earlier output of this command, with `force`, is replaced). On an
+    error the temporary folder is removed and `target` is untouched. Checks `target` first."""
+    target = _resolved(target)
+    check_folder_target(target, command, force, option)
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only (the pid is in the name)
+        tmp.mkdir()
+    except OSError as e:
+        raise MtcliError(f"{option} {target}: cannot write there ({e.strerror})") from None
+    try:
+        yield tmp
+        files = [f for f in _files_under(tmp) if f != MANIFEST]
+        (tmp / MANIFEST).write_text(json.dumps({"command": command, "files": files}, indent=1), encoding="utf-8")
+        _durable(tmp)
+        check_folder_target(target, command, force, option)  # again: something may have appeared meanwhile
+        _replace_folder(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _durable(folder: Path) -> None:
+    """fsync every file below `folder` and the folders themselves, so the rename publishes complete bytes."""
+    for root, _dirs, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(root))
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_folder(tmp: Path, target: Path) -> None:
+    """Rename `tmp` to `target`. A missing target is one rename. An empty folder keeps its inode (it may be a shell's
+    working directory): the entries move in, the manifest last. A checked earlier output is first moved aside, then
+    removed once the new folder is in place."""
+    if not target.exists():
+        os.rename(tmp, target)
+    elif not any(target.iterdir()):
+        for entry in sorted(tmp.iterdir(), key=lambda p: p.name == MANIFEST):
+            os.rename(entry, target / entry.name)
+        _fsync_dir(target)
+    else:
+        old = target.parent / f".{target.name}.old-{os.getpid()}"
+        os.rename(target, old)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(target.parent)
+
+
+def check_file_target(target: Path, force: bool, inputs: Iterable[Path | str] = (), option: str = "--output") -> None:
+    """Refuse an output file that is also an input, a folder, or (without `force`) an existing non-empty file."""
+    target = Path(target)
+    refuse_input_overlap(target, inputs, option)
+    if target.is_dir():
+        raise MtcliError(f"{option} {target}: is a folder; give a file name")
+    if target.exists() and target.stat().st_size > 0 and not force:
+        raise MtcliError(f"{option} {target}: exists and is not empty; pass --force to replace it, or give a new name")
+
+
+@contextmanager
+def new_file(
+    target: Path, force: bool = False, inputs: Iterable[Path | str] = (), option: str = "--output", binary=False
+) -> Iterator[TextIO]:
+    """An open temporary sibling of `target`; when the block ends without an error it is made durable and renamed
+    onto `target`. On an error `target` is untouched (an existing file keeps its bytes). Checks `target` first."""
+    target = _resolved(target)
+    check_file_target(target, force, inputs, option)
+    if not target.parent.is_dir():
+        raise MtcliError(f"{option} {target}: the folder {target.parent} does not exist")
+    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    try:
+        handle = open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8")
+    except OSError as e:
+        raise MtcliError(f"{option} {target}: cannot write ({e.strerror})") from None
+    try:
+        with handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """`mtcli train --run-dir`: a new run goes into a missing or empty folder, or one a run left (its manifest, or
+    an older mtcli's checkpoints/ and config.yaml); a folder of the user's is refused before anything is written."""
+    run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise MtcliError(f"--run-dir {run_dir}: exists and is not a folder")
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    if entries in ([], [".lock"]) or is_run_dir(run_dir):  # .lock alone: a run killed as it started
+        return
+    first = entries[0]
+    what = "resume" if resume else "train into"
+    raise MtcliError(
+        f"--run-dir {run_dir}: not a run directory (it holds {first}); cannot {what} it: give a new or empty folder"
+    )
+
+
+def is_run_dir(folder: Path) -> bool:
+    manifest = read_manifest(folder)
+    if manifest is not None:
+        return manifest["command"] in ("train", "import")
+    return (Path(folder) / "checkpoints").is_dir() and (Path(folder) / "config.yaml").is_file()  # before manifests
+
+
+def mark_run_dir(run_dir: Path, command: str) -> None:
+    """A run's manifest names the command that made it; runs grow, so it lists no files."""
+    path = Path(run_dir) / MANIFEST
+    if read_manifest(run_dir) is None:
+        path.write_text(json.dumps({"command": command}), encoding="utf-8")
