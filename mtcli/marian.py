@@ -194,7 +194,9 @@ def check_weight_shapes(hf: dict, hf_sd: dict[str, torch.Tensor], where: Path) -
     keys = ("d_model", "encoder_layers", "decoder_layers", "encoder_attention_heads", "encoder_ffn_dim", "vocab_size")
     for key in (*keys, "max_position_embeddings", "decoder_vocab_size"):
         value = hf.get(key)
-        if (value is not None or key in keys) and (type(value) is not int or value < 1):
+        if value is None and key in keys:
+            raise MtcliError(f"{where}: `{key}` is missing; a MarianMT config.json names {', '.join(keys)}")
+        if value is not None and (type(value) is not int or value < 1):
             raise MtcliError(f"{where}: `{key}` is {str(value)[:40]!r}; expected a positive whole number")
     if hf.get("max_position_embeddings", 1024) > MAX_POSITIONS:
         raise MtcliError(f"{where}: max_position_embeddings {hf['max_position_embeddings']} is over {MAX_POSITIONS}")
@@ -288,7 +290,11 @@ def import_marian(source: str, out: Path, revision: str | None = None, force: bo
     with new_folder(out, "import", force) as work:
         copy_tokenizer_files(folder, root, separate, work)
         write_special_ids(hf, folder, work)
-        tokenizer = MarianVocabTokenizer(work)
+        try:
+            tokenizer = MarianVocabTokenizer(work)
+        except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: "could not parse ModelProto", ...
+            reason = " ".join(str(e).split())[:200].replace(str(work), str(folder))
+            raise MtcliError(f"{folder}: its tokenizer files (source.spm, target.spm) do not load ({reason})") from None
         _import_into(work, out.name, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source)
     return out
 

@@ -7,6 +7,7 @@ import json
 import pickle
 import random
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,6 +277,7 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, monkeypatch):
     (pickled / "pytorch_model.bin").write_bytes(pickle.dumps(_Payload()))
     refused(pickled, "refused")
     assert not (tmp_path / "pwned").exists()
+    refused_in_process(good, tmp_path, monkeypatch)
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # a closed port: the Hub is out of reach
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     from mtcli.errors import MtcliError
@@ -283,6 +285,63 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, monkeypatch):
 
     with pytest.raises(MtcliError, match="cannot reach the Hugging Face Hub.*local folder"):
         resolve_source("Helsinki-NLP/opus-mt-en-de")
+
+
+def refused_in_process(good: Path, tmp_path: Path, monkeypatch) -> None:
+    """Hostile or damaged model folders, each refused with one line before a model of the size they claim is built
+    and before anything is written; and a Hub that accepts connections but never answers."""
+    import shutil
+    import socket
+
+    from mtcli.errors import MtcliError
+    from mtcli.marian import import_marian
+
+    config = json.loads((good / "config.json").read_text())
+    cases = {
+        "a million layers": ({"encoder_layers": 1_000_000}, "encoder_layers"),
+        "a billion positions": ({"max_position_embeddings": 10**9}, "max_position_embeddings"),
+        "positions as a float": ({"max_position_embeddings": 1e9}, "max_position_embeddings"),
+        "d_model as a word": ({"d_model": "big"}, "d_model"),
+        "a missing size": ({"encoder_ffn_dim": None}, "encoder_ffn_dim"),
+        "a d_model the weights do not have": ({"d_model": config["d_model"] * 2}, "d_model"),
+        "fewer layers than the weights": ({"decoder_layers": 1}, "decoder_layers"),
+        "heads that do not divide d_model": ({"encoder_attention_heads": 7, "decoder_attention_heads": 7}, "heads"),
+    }
+    for name, (change, expected) in cases.items():
+        folder = tmp_path / name.replace(" ", "-")
+        shutil.copytree(good, folder)
+        edited = {k: v for k, v in {**config, **change}.items() if v is not None}
+        (folder / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(MtcliError, match=expected):
+            import_marian(str(folder), tmp_path / "out")
+        assert not (tmp_path / "out").exists(), name
+    secret = tmp_path / "secret.txt"
+    secret.write_text("root:x:0:0\n")
+    linked = tmp_path / "linked"
+    shutil.copytree(good, linked)
+    (linked / "source.spm").unlink()
+    (linked / "source.spm").symlink_to(secret)
+    with pytest.raises(MtcliError, match="outside the model folder"):
+        import_marian(str(linked), tmp_path / "out")
+    garbage = tmp_path / "garbage-spm"
+    shutil.copytree(good, garbage)
+    (garbage / "source.spm").write_bytes(b"not a sentencepiece model")
+    with pytest.raises(MtcliError, match="source.spm"):
+        import_marian(str(garbage), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(MtcliError, match="also an input"):
+        import_marian(str(good), good)
+    silent = socket.socket()  # accepts connections (the kernel's backlog) and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{silent.getsockname()[1]}")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("mtcli.hub.PROBE_TIMEOUT_S", 1.0)
+    try:
+        with pytest.raises(MtcliError, match="no answer within"):
+            import_marian("Helsinki-NLP/opus-mt-en-de", tmp_path / "out")
+    finally:
+        silent.close()
 
 
 class _Payload:
