@@ -8,6 +8,7 @@ everything from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,23 @@ import yaml
 from mtcli.errors import MtcliError
 
 SHIPPED_CONFIGS = Path(__file__).parent / "configs"
+
+# Sizes past any published model, so a typo or an edited checkpoint is refused before memory is spent rather than
+# allocating gigabytes: the deepest Transformers have ~1,000 layers (DeepNet), the widest d_model ~20,000 and d_ff
+# ~80,000 (PaLM, Megatron-Turing), encoder-decoder models 512-16,384 positions (a sinusoid table is
+# positions x d_model, built whole). The layers of the largest dense translation models hold ~10 billion parameters
+# (MADLAD-400); 20 billion is 80 GB in fp32.
+MODEL_LIMITS = {
+    "layers": 1000,
+    "encoder_layers": 1000,
+    "decoder_layers": 1000,
+    "d_model": 65_536,
+    "heads": 1024,
+    "d_ff": 262_144,
+    "max_positions": 65_536,
+}
+MAX_LAYER_PARAMETERS = 20_000_000_000
+MAX_VOCAB = 1_000_000  # the largest vocabularies in use (NLLB, mT5, Gemma) have about 256,000 pieces
 
 
 class ConfigError(MtcliError):
@@ -47,6 +65,7 @@ class CleanConfig:
     langid_min_prob: float = 0.5  # ... only when py3langid names that language with at least this probability
 
     def __post_init__(self):
+        _check_numbers(self, "data.clean")
         _check(self.max_repeat >= 0, "data.clean.max_repeat", "must be 0 (off) or positive")
         _check(0 < self.max_other_script <= 1, "data.clean.max_other_script", "must be in (0, 1]; 1 turns it off")
         _check(0 <= self.langid_min_prob <= 1, "data.clean.langid_min_prob", "must be between 0 and 1")
@@ -66,8 +85,10 @@ class TrainCorpusConfig:
 
     def __post_init__(self):
         where = self.path or self.dataset
+        _check_numbers(self, "data.train_corpora")
         _check(bool(self.path) != bool(self.dataset), "data.train_corpora", "each needs a path or a dataset (one)")
-        _check(self.weight > 0, "data.train_corpora.weight", f"must be positive (the corpus {where})")
+        # An epoch holds `weight` copies of the corpus's pair indices: 100 is past any real upsampling.
+        _check(0 < self.weight <= 100, "data.train_corpora.weight", f"must be in (0, 100] (the corpus {where})")
 
 
 @dataclass(frozen=True)
@@ -119,12 +140,13 @@ class DataConfig:
     src_prefix: str = ""
 
     def __post_init__(self):
+        _check_numbers(self, "data")
         _check(self.max_len > 0, "data.max_len", "must be positive")
         # A ratio is longer side / shorter side, so it is at least 1: a limit under 1 would drop every pair.
         _check(
             self.max_ratio == 0 or self.max_ratio >= 1, "data.max_ratio", "must be 0 (no ratio filter) or at least 1"
         )
-        _check(self.vocab_size >= 16, "data.vocab_size", "must be at least 16")
+        _check(16 <= self.vocab_size <= MAX_VOCAB, "data.vocab_size", f"must be between 16 and {MAX_VOCAB:,}")
         _check(self.spm_sample > 0, "data.spm_sample", "must be positive")
         _check(self.sampling_alpha >= 0, "data.sampling_alpha", "must be 0 (off) or positive")
         _check(
@@ -133,9 +155,9 @@ class DataConfig:
             "is the merge-dropout probability of a bpe model: keep it under 1 (0.1 is usual)",
         )
         _check(
-            self.sampling_nbest == -1 or self.sampling_nbest >= 2,
+            self.sampling_nbest == -1 or 2 <= self.sampling_nbest <= 10_000,
             "data.sampling_nbest",
-            "must be -1 (sample from all segmentations) or at least 2",
+            "must be -1 (sample from all segmentations) or between 2 and 10,000",
         )
         _check(self.src_lang != self.tgt_lang, "data.tgt_lang", "must differ from data.src_lang")
         cov = self.character_coverage
@@ -174,11 +196,12 @@ class ModelConfig:
     output_bias: bool = False
 
     def __post_init__(self):
-        for key in ("layers", "d_model", "heads", "d_ff", "max_positions"):
-            _check(getattr(self, key) > 0, f"model.{key}", "must be positive")
-        for key in ("encoder_layers", "decoder_layers"):
+        _check_numbers(self, "model")
+        for key, most in MODEL_LIMITS.items():
             value = getattr(self, key)
-            _check(value is None or value > 0, f"model.{key}", "must be positive (or null for model.layers)")
+            if value is None and key in ("encoder_layers", "decoder_layers"):
+                continue  # null: model.layers
+            _check(0 < value <= most, f"model.{key}", f"must be between 1 and {most:,}")
         _check(
             self.d_model % self.heads == 0,
             "model.heads",
@@ -191,6 +214,19 @@ class ModelConfig:
         )
         for key in ("dropout", "attention_dropout", "activation_dropout", "src_word_dropout"):
             _check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+        billions = self.layer_parameters() / 1e9
+        _check(
+            billions <= MAX_LAYER_PARAMETERS / 1e9,
+            "model",
+            f"its layers alone would hold {billions:,.1f} billion parameters, over mtcli's limit of "
+            f"{MAX_LAYER_PARAMETERS / 1e9:g} billion; check model.layers, d_model and d_ff",
+        )
+
+    def layer_parameters(self) -> int:
+        """The weight matrices of the encoder and decoder layers (attention 4 d x d, cross-attention 4 more, the
+        feed-forward 2 d x d_ff), without embeddings: what the model section alone decides."""
+        d, ff = self.d_model, self.d_ff
+        return self.n_encoder_layers * (4 * d * d + 2 * d * ff) + self.n_decoder_layers * (8 * d * d + 2 * d * ff)
 
     @property
     def n_encoder_layers(self) -> int:
@@ -235,6 +271,10 @@ class TrainConfig:
     init_from: str | None = None
 
     def __post_init__(self):
+        _check_numbers(self, "train")
+        # numpy's generators take seeds from 0; torch and SentencePiece at most 64 and 32 bits
+        _check(0 <= self.seed < 2**32, "train.seed", "must be between 0 and 4,294,967,295")
+        _check(self.threads <= 4096, "train.threads", "must be at most 4,096 (0: torch's default)")
         for key in ("max_updates", "max_tokens", "valid_every", "log_every", "keep_last", "max_nonfinite"):
             _check(getattr(self, key) > 0, f"train.{key}", "must be positive")
         for key in (
@@ -278,18 +318,25 @@ class DecodeConfig:
     src_prefix: str | None = None  # null: data.src_prefix; e.g. `>>fra<<` to pick another target language
 
     def __post_init__(self):
-        _check(self.beam >= 1, "decode.beam", "must be at least 1")
+        _check_numbers(self, "decode")
+        # The search keeps beam x sentences rows of cache; past a few dozen, wider beams lower BLEU (Koehn & Knowles
+        # 2017), and 1,000 is the widest studied.
+        _check(1 <= self.beam <= 1000, "decode.beam", "must be between 1 and 1,000")
         _check(1 <= self.nbest <= self.beam, "decode.nbest", f"must be between 1 and decode.beam ({self.beam})")
-        _check(self.lenpen >= 0, "decode.lenpen", "must be >= 0")
+        # ((5 + length) / 6) ** lenpen overflows a float past ~70 at the longest outputs; tuned values are 0-2.
+        _check(0 <= self.lenpen <= 10, "decode.lenpen", "must be between 0 and 10")
         _check(self.max_len_a >= 0 and self.max_len_b >= 0, "decode.max_len_a", "max_len_a and max_len_b must be >= 0")
         _check(self.max_len_a > 0 or self.max_len_b > 0, "decode.max_len_b", "max_len_a and max_len_b cannot both be 0")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")
         _check(self.no_repeat_ngram >= 0, "decode.no_repeat_ngram", "must be >= 0")
         _check(self.batch_tokens > 0, "decode.batch_tokens", "must be positive")
         _check(self.batch_sentences >= 0, "decode.batch_sentences", "must be >= 0 (0: no limit)")
-        _check(self.temperature > 0, "decode.temperature", "must be positive")
+        # Sampling divides float32 log-probabilities by the temperature and compares float32 sums with top_p; in
+        # float32 1e-300 is 0 and 1e308 infinite, and either left nothing to sample (a NaN distribution). The bounds
+        # (the server's as well, docs/serve.md) keep both far inside float32 and past any useful setting.
+        _check(0.01 <= self.temperature <= 100, "decode.temperature", "must be between 0.01 and 100")
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
-        _check(0 < self.top_p <= 1, "decode.top_p", "must be in (0, 1]")
+        _check(1e-6 <= self.top_p <= 1, "decode.top_p", "must be between 1e-6 and 1")
 
 
 @dataclass(frozen=True)
@@ -319,6 +366,26 @@ class Config:
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+def _check_numbers(section, prefix: str) -> None:
+    """Every number of a section finite and within 64 bits, checked first: NaN fails every comparison, so `lr > 0`
+    would call it "not positive", and an integer past 64 bits overflows numpy and torch wherever it lands."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        for v in value if isinstance(value, tuple) else (value,):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"{prefix}.{f.name}: {v} is not allowed; give a finite number")
+            if isinstance(v, int) and not isinstance(v, bool) and not -(2**63) <= v < 2**63:
+                raise ConfigError(f"{prefix}.{f.name}: {shown(v)} is too large for a 64-bit integer")
+
+
+def shown(value: Any, limit: int = 100) -> str:
+    """A value as an error message shows it, cut to `limit` characters: a config value can be megabytes long."""
+    if isinstance(value, int) and value.bit_length() > 3 * limit:  # str() refuses over 4,300 digits
+        return f"an integer of about {int(value.bit_length() * 0.30103):,} digits"
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text):,} characters)"
 
 
 def _plain(value: Any) -> Any:

@@ -1,12 +1,15 @@
 """From YAML to a `Config`: `load_config(path, overrides)` reads a file (or a shipped config by name), applies
 `--set key=value` overrides, rejects unknown keys (naming the closest valid one) and values of the wrong type (naming
-the key); each section's own checks (config.py) reject impossible values.
+the key); each section's own checks (config.py) reject impossible values. Messages show values cut to 100 characters,
+and YAML aliases may not expand a document by more than MAX_ALIAS_EXPANSION (a "billion laughs" file).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from pathlib import Path
@@ -14,7 +17,90 @@ from typing import Any, Literal
 
 import yaml
 
-from mtcli.config import SHIPPED_CONFIGS, Config, ConfigError
+from mtcli.config import SHIPPED_CONFIGS, Config, ConfigError, shown
+
+# Values that YAML aliases (`*name`) may add to a document, counted as nodes plus characters of text: a config of ~100
+# values needs a few hundred, while nine levels of nine aliases in 600 bytes expand to 400 million values, which
+# formatting the type error alone took 10 GB for.
+MAX_ALIAS_EXPANSION = 100_000
+MAX_BRACKET_DEPTH = 100
+
+
+class UnsafeYAML(yaml.YAMLError):
+    """YAML that is well-formed but refused: aliases that blow it up or refer to themselves, nesting too deep."""
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader, refusing a document that refers to itself or whose aliases expand it by more than
+    MAX_ALIAS_EXPANSION; checked on the composed nodes, before anything is built from them."""
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            check_alias_expansion(node)
+        return node
+
+
+def check_alias_expansion(root: yaml.Node) -> None:
+    """Refuse a node graph that has a cycle or whose expanded size (aliases copied out) exceeds its own size by more
+    than MAX_ALIAS_EXPANSION. Iterative: a deep document must not exhaust Python's stack here."""
+    expanded: dict[int, int] = {}  # id(node) -> size with every alias expanded
+    own = 0  # the size with each node counted once: what the text itself holds
+    open_nodes: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        children = _children(node)
+        if children_done:
+            open_nodes.discard(id(node))
+            size = 1 + (len(node.value) if isinstance(node, yaml.ScalarNode) else 0)
+            own += size
+            expanded[id(node)] = size + sum(expanded[id(c)] for c in children)
+            if expanded[id(node)] - own > MAX_ALIAS_EXPANSION:
+                raise UnsafeYAML(
+                    f"its aliases (*name) expand it by more than {MAX_ALIAS_EXPANSION:,} values and characters; "
+                    "a config needs far fewer: write the values out"
+                )
+            continue
+        if id(node) in open_nodes:
+            raise UnsafeYAML(f"an alias refers to a value that contains it{_where(node)}")
+        if id(node) in expanded:
+            continue
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((c, False) for c in children if id(c) not in expanded)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    return []
+
+
+def _where(node: yaml.Node) -> str:
+    mark = node.start_mark
+    return f" (line {mark.line + 1})" if mark is not None else ""
+
+
+def parse_yaml(text: str):
+    """YAML text to Python values, through BoundedLoader; ValueError (an integer of over 4,300 digits) comes out as
+    yaml.YAMLError and RecursionError (a thousand nested levels) as UnsafeYAML, with what went wrong."""
+    # PyYAML's time grows with the square of the bracket depth (1,500 levels: 5 s, 100 KB of them: hours), so a
+    # depth no config needs (they nest 3 deep) is refused before parsing; brackets inside strings count too.
+    depth = deepest = 0
+    for bracket in re.sub(r"[^\[\]{}]", "", text):
+        depth = depth + 1 if bracket in "[{" else max(depth - 1, 0)
+        deepest = max(deepest, depth)
+    if deepest > MAX_BRACKET_DEPTH:
+        raise UnsafeYAML(f"brackets nested {deepest:,} deep; a config needs a few")
+    try:
+        return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader: builds plain values only
+    except ValueError as e:
+        raise yaml.YAMLError(" ".join(str(e).split())[:200]) from None
+    except RecursionError:
+        raise UnsafeYAML("nested too deeply") from None
 
 
 def shipped_config_names() -> list[str]:
@@ -36,9 +122,9 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     """Read a YAML config (a path, or the name of a shipped config) and apply `key=value` overrides."""
     path = resolve_config_path(path)
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        tree = parse_yaml(path.read_text(encoding="utf-8")) or {}
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from None
+        raise ConfigError(f"{path}: not valid YAML: {shown(' '.join(str(e).split()), 300)}") from None
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode")
     tree.setdefault("name", path.stem)
@@ -57,7 +143,7 @@ def with_overrides(config: Config, overrides: list[str] | tuple[str, ...], secti
     for item in overrides:
         if item.partition("=")[0].strip().split(".")[0] not in sections:
             allowed = " or ".join(f"{s}.KEY=VALUE" for s in sections)
-            raise ConfigError(f"--set {item}: this command takes only {allowed}")
+            raise ConfigError(f"--set {shown(item)}: this command takes only {allowed}")
     tree = config.to_dict()
     _apply_overrides(tree, overrides)
     return config_from_dict(tree, source="--set")
@@ -67,11 +153,13 @@ def _apply_overrides(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. --set train.lr=5e-4")
+            raise ConfigError(f"--set {shown(item)}: expected KEY=VALUE, e.g. --set train.lr=5e-4")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = parse_yaml(text) if text.strip() else None
+        except UnsafeYAML as e:
+            raise ConfigError(f"--set {shown(item)}: {e}") from None
         except yaml.YAMLError:
-            value = text
+            value = text  # not YAML (e.g. >>deu<<): the text itself, which a string key takes and others refuse
         set_dotted(tree, key.strip(), value)
 
 
@@ -98,9 +186,9 @@ def _build(cls: type, values: Any, prefix: str, source: str) -> Any:
     kwargs = {}
     for key, value in values.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            close = difflib.get_close_matches(shown(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean `{prefix}{close[0]}`?" if close else f"; valid keys: {', '.join(fields)}"
-            raise ConfigError(f"unknown key `{prefix}{key}` in {source}{hint}")
+            raise ConfigError(f"unknown key `{prefix}{shown(key)}` in {source}{hint}")
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}", source)
     try:
         return cls(**kwargs)
@@ -127,15 +215,15 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
     if origin is Literal:
         if value not in args:
             choices = ", ".join(str(a) for a in args)
-            raise ConfigError(f"{key}: `{value}` is not one of: {choices} (in {source})")
+            raise ConfigError(f"{key}: `{shown(value)}` is not one of: {choices} (in {source})")
         return value
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:  # a list of any length, e.g. data.train_corpora
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got `{value}` (in {source})")
+            raise ConfigError(f"{key}: expected a list, got `{shown(value)}` (in {source})")
         return tuple(_coerce(args[0], v, f"{key}[{i}]", source) for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, list | tuple) or len(value) != len(args):
-            raise ConfigError(f"{key}: expected a list of {len(args)} values, got `{value}` (in {source})")
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got `{shown(value)}` (in {source})")
         return tuple(_coerce(a, v, f"{key}[{i}]", source) for i, (a, v) in enumerate(zip(args, value)))
     if hint is float:
         if isinstance(value, str):
@@ -145,19 +233,21 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
                 pass
         if isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{key}: expected a number, got `{value}` (in {source})")
+        raise ConfigError(f"{key}: expected a number, got `{shown(value)}` (in {source})")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: {value} is not allowed; give a finite integer (in {source})")
         if isinstance(value, float) and value.is_integer():
             return int(value)
-        raise ConfigError(f"{key}: expected an integer, got `{value}` (in {source})")
+        raise ConfigError(f"{key}: expected an integer, got `{shown(value)}` (in {source})")
     if hint is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got `{value}` (in {source})")
+        raise ConfigError(f"{key}: expected true or false, got `{shown(value)}` (in {source})")
     if hint is str:
         if isinstance(value, str | int | float) and not isinstance(value, bool):
             return str(value)
-        raise ConfigError(f"{key}: expected a string, got `{value}` (in {source})")
+        raise ConfigError(f"{key}: expected a string, got `{shown(value)}` (in {source})")
     raise TypeError(f"unsupported config type {hint} for {key}")

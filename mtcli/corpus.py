@@ -167,7 +167,9 @@ def _load_files(builder: str, path: Path, **kwargs):
             f"{path}: the file is empty; a split needs at least one sentence (check data.path and data.splits)"
         )
     check_utf8(path)
-    datasets.utils.logging.set_verbosity_error()
+    # Critical only: the json builder logs its parse error ("Failed to load JSON from file ...") before raising, and
+    # the one line the user gets is the MtcliError below.
+    datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     with _quiet_progress(), _no_download_count():
         try:
             if builder == "text" and has_bare_cr(path):
@@ -183,7 +185,51 @@ def _load_files(builder: str, path: Path, **kwargs):
                 )
             return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
         except Exception as e:  # the library's own error, cut to one line and tied to the file
+            if builder == "json":  # its error names no line ("An error occurred while generating the dataset")
+                check_jsonl_lines(path)
             raise MtcliError(f"{path}: could not read as {builder}: {_one_line(e)}") from None
+
+
+def check_jsonl_lines(path: Path) -> None:
+    """Raise an error naming the first line of a JSON-lines file that is not a JSON object, or whose field holds
+    another kind of value than on the first line that has it (a list where the others hold text: the reader infers one
+    type per column and fails without naming the line). Blank lines are skipped, as the reader skips them."""
+    first: dict[str, tuple[str, int]] = {}  # field -> (its kind, the line it was first seen on)
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                raise MtcliError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
+            except (ValueError, RecursionError) as e:  # a number of over 4,300 digits; thousands of nested brackets
+                raise MtcliError(f"{path}:{number}: not valid JSON ({_one_line(e)[:200]})") from None
+            if not isinstance(value, dict):
+                raise MtcliError(
+                    f"{path}:{number}: expected a JSON object such as "
+                    f'{{"translation": {{"en": "...", "de": "..."}}}}, found {_kind(value)}'
+                )
+            fields = list(value.items())
+            fields += [(f"{key}.{k}", x) for key, v in value.items() if isinstance(v, dict) for k, x in v.items()]
+            for field, v in fields:
+                if v is None:  # null fits any column
+                    continue
+                kind = "text" if isinstance(v, str) else _kind(v)
+                was, line_number = first.setdefault(field, (kind, number))
+                if kind != was:
+                    raise MtcliError(f"{path}:{number}: `{field}` is {kind}, but {was} on line {line_number}")
+
+
+def jsonl_line(path: Path, row: int) -> int:
+    """The line number of row `row` (from 0) of a JSON-lines file: the reader skips blank lines."""
+    rows = -1
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            rows += bool(line.strip())
+            if rows == row:
+                return number
+    return rows + 1
 
 
 def _text_lines(path: str) -> Iterator[dict[str, str]]:
@@ -227,7 +273,7 @@ def _open_tsv(role: str, name: str, path: Path) -> SplitSource:
 
 def _open_jsonl(cfg: DataConfig, role: str, name: str, path: Path) -> SplitSource:
     ds = _load_files("json", path)
-    return _columns_source(cfg, role, name, ds, str(path))
+    return _columns_source(cfg, role, name, ds, str(path), lambda row: f"{path}:{jsonl_line(path, row)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,7 +309,9 @@ def _open_hub(cfg: DataConfig, names: dict[str, str]) -> dict[str, SplitSource]:
                     "set data.hub_splits.train (or data.splits.train)"
                 )
             continue
-        found[role] = _columns_source(cfg, role, split, dd[split], name)
+        found[role] = _columns_source(
+            cfg, role, split, dd[split], name, lambda row, split=split: f"`{name}` split `{split}` row {row + 1}"
+        )
     return found
 
 
@@ -271,8 +319,9 @@ def _open_hub(cfg: DataConfig, names: dict[str, str]) -> dict[str, SplitSource]:
 # Shared helpers
 
 
-def _columns_source(cfg: DataConfig, role: str, name: str, ds, where: str) -> SplitSource:
-    """Pairs from a table: a `translation: {lang: text}` column, or two flat columns."""
+def _columns_source(cfg: DataConfig, role: str, name: str, ds, where: str, locate) -> SplitSource:
+    """Pairs from a table: a `translation: {lang: text}` column, or two flat columns. `locate(row)` names a row in
+    errors (a JSON-lines file's line)."""
     columns = ds.column_names
     if cfg.src_column or cfg.tgt_column:
         src_col, tgt_col = cfg.src_column or cfg.src_lang, cfg.tgt_column or cfg.tgt_lang
@@ -291,7 +340,15 @@ def _columns_source(cfg: DataConfig, role: str, name: str, ds, where: str) -> Sp
 
         def read_nested(ds, rows):
             pairs = [p or {} for p in ds[_rows(rows)]["translation"]]  # a JSON null row: an empty pair
-            return [p.get(cfg.src_lang) for p in pairs], [p.get(cfg.tgt_lang) for p in pairs]
+            for row, pair in zip(rows, pairs):
+                if not isinstance(pair, dict):
+                    raise MtcliError(
+                        f"{locate(row)}: `translation` is {_kind(pair)}, not an object of languages to texts"
+                    )
+            sources, targets = [p.get(cfg.src_lang) for p in pairs], [p.get(cfg.tgt_lang) for p in pairs]
+            _check_texts(rows, sources, f"translation.{cfg.src_lang}", locate)
+            _check_texts(rows, targets, f"translation.{cfg.tgt_lang}", locate)
+            return sources, targets
 
         return SplitSource(role, name, ds.num_rows, f"{where} [{name}]", ds, read_nested)
     else:
@@ -302,9 +359,32 @@ def _columns_source(cfg: DataConfig, role: str, name: str, ds, where: str) -> Sp
 
     def read_flat(ds, rows):
         table = ds[_rows(rows)]
+        _check_texts(rows, table[src_col], src_col, locate)
+        _check_texts(rows, table[tgt_col], tgt_col, locate)
         return table[src_col], table[tgt_col]
 
     return SplitSource(role, name, ds.num_rows, f"{where} [{name}]", ds, read_flat)
+
+
+def _check_texts(rows, values: list, field: str, locate) -> None:
+    """Each value a sentence: text, a number (read as its text) or null (an empty side). A list or an object would
+    otherwise become its Python repr and be trained on."""
+    for row, value in zip(rows, values):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, str | int | float)):
+            raise MtcliError(f"{locate(row)}: `{field}` is {_kind(value)}, not a sentence")
+
+
+def _kind(value) -> str:
+    """What a JSON value is, in words."""
+    kinds = {
+        dict: "an object",
+        list: "a list",
+        bool: "true or false",
+        str: "a string",
+        int: "a number",
+        float: "a number",
+    }
+    return kinds.get(type(value), type(value).__name__)
 
 
 def _rows(rows):

@@ -30,6 +30,7 @@ from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
+DTYPES = ("uint16", "int32")  # of the cached ids: uint16 while the vocabulary fits
 EVAL_ROLES = ("valid", "test")
 TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest")  # never change the cached content
 
@@ -90,7 +91,7 @@ class EncodedSplit:
 
     @cached_property
     def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        dtype = json.loads((self.folder / "meta.json").read_text())["dtype"]
+        dtype = read_meta(self.folder)["dtype"]
         return tuple(_memmap(self.folder / f"{self.role}.{side}.bin", dtype) for side in ("src", "tgt"))
 
     def __len__(self) -> int:
@@ -134,7 +135,7 @@ class SampledSplit:
         options = {"out_type": int, "enable_sampling": True, "alpha": cfg.sampling_alpha}
         if cfg.spm_model_type == "unigram":
             options["nbest_size"] = cfg.sampling_nbest
-        sentencepiece.set_random_generator_seed(seed * 100_003 + epoch)
+        sentencepiece.set_random_generator_seed((seed * 100_003 + epoch) % 2**32)  # it takes 32 bits
         flat: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
         lens: dict[str, list[np.ndarray]] = {"src": [], "tgt": []}
         for start in range(0, len(base), 10_000):  # in chunks: a WMT-size split never sits in RAM as Python lists
@@ -166,6 +167,18 @@ class SampledSplit:
     def tgt(self, i: int) -> np.ndarray:
         off = self._offsets["tgt"]
         return self._tokens["tgt"][off[i] : off[i + 1]]
+
+
+def read_meta(folder: Path) -> dict:
+    """A cache folder's meta.json; one that is damaged (an edit, a disk error) is a one-line error saying to rebuild."""
+    path = folder / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        meta = {"error": " ".join(str(e).split())[:200]}
+    if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict) or meta.get("dtype") not in DTYPES:
+        raise MtcliError(f"{path}: damaged data cache; rebuild it with mtcli data prepare --force (or delete {folder})")
+    return meta
 
 
 def _memmap(path: Path, dtype: str) -> np.ndarray:
@@ -202,7 +215,7 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
     data_cfg.check_source()
     folder = cache_folder(data_cfg)
     if (folder / "meta.json").is_file() and not force:
-        meta = json.loads((folder / "meta.json").read_text())
+        meta = read_meta(folder)
         logger.info(
             f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}: cached in {folder}"
         )
@@ -262,7 +275,7 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
     if not (cfg.data.dataset or cfg.data.path):
         raise MtcliError(f"--split {role}: this run names no data (an imported model); score files with --src/--ref")
     folder = cache_folder(cfg.data)
-    if (folder / "meta.json").is_file() and role in json.loads((folder / "meta.json").read_text())["splits"]:
+    if (folder / "meta.json").is_file() and role in read_meta(folder)["splits"]:
         return EncodedSplit(folder, role).texts()
     sources = open_splits(cfg.data, folder.parent)
     if role not in sources:

@@ -22,7 +22,7 @@ from mtcli.batching import collate, epoch_batches
 from mtcli.checkpoint import read_config, run_of
 from mtcli.config import Config, DecodeConfig
 from mtcli.config_loader import load_config
-from mtcli.corpus import read_lines
+from mtcli.corpus import describe_source, read_lines
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
 from mtcli.loss import projection_cross_entropy, target_states
@@ -101,6 +101,8 @@ def corpus_scores(hypotheses: list[str], references: list[list[str]], tgt_lang: 
     for i, stream in enumerate(references):
         if len(stream) != len(hypotheses):
             raise ValueError(f"{len(hypotheses)} hypotheses for {len(stream)} references (reference {i + 1})")
+    if not hypotheses:  # sacreBLEU's own error is an IndexError
+        raise MtcliError("nothing to score: no sentences")
     scores = {}
     for name in options.metrics:
         metric = make_metric(name, tgt_lang, options.lowercase)
@@ -289,6 +291,8 @@ def evaluation_set(config: Config, split: str | None, src: Path | None, refs: li
     if src is None:
         role = split or "test"
         sources, references = eval_texts(config, role)
+        named = [(f"--split {role}: the sources of", describe_source(config.data), sources)]
+        _check_not_blank(named + [(f"--split {role}: the references of", describe_source(config.data), references)])
         return sources, [references], role
     sources = read_lines(src)
     streams = []
@@ -296,7 +300,17 @@ def evaluation_set(config: Config, split: str | None, src: Path | None, refs: li
         streams.append(read_lines(ref))
         if len(streams[-1]) != len(sources):
             raise MtcliError(f"line counts differ: {src} has {len(sources)} lines, {ref} has {len(streams[-1])}")
+    _check_not_blank([("--src", src, sources)] + [("--ref", ref, lines) for ref, lines in zip(refs, streams)])
     return sources, streams, Path(src).name
+
+
+def _check_not_blank(named: list[tuple[str, Path | str, list[str]]]) -> None:
+    """Each (option, file, lines) holds a non-blank line: sacreBLEU fails on no lines at all, and scores blank ones
+    0 as if that said something about the model."""
+    for option, path, lines in named:
+        if not any(line.strip() for line in lines):
+            what = "is empty" if not lines else f"has only blank lines ({len(lines):,})"
+            raise MtcliError(f"{option} {path} {what}: nothing to evaluate")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

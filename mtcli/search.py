@@ -36,6 +36,9 @@ def length_penalty(length: torch.Tensor | int, alpha: float):
 
 def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, max_positions: int) -> torch.Tensor:
     """a * source length + b subwords (source length without EOS), capped so BOS + output fits the positions."""
+    # Past the positions a and b change nothing, and beyond them they broke the sum: a = 1e300 is inf in float32,
+    # inf * 0 is NaN, and inf or NaN converts to a negative length, which left every output empty.
+    a, b = min(a, max_positions), min(b, max_positions)
     lens = (a * src_lens.float() + b).floor().long()
     return lens.clamp(min=0, max=max_positions - 1)
 

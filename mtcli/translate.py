@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from mtcli.batching import collate, token_budget_batches
-from mtcli.checkpoint import best_checkpoint, checkpoint_dir, last_checkpoint, load_model
+from mtcli.checkpoint import best_checkpoint, checkpoint_dir, last_checkpoint, load_model, read_tokenizer
 from mtcli.config import Config, DecodeConfig
 from mtcli.device import choose_precision, resolve_device
 from mtcli.ensemble import Ensemble
@@ -197,12 +197,14 @@ class Translator:
         model = inference_model(model, name)
         members, others = [model], [resolve_member(p) for p in ensemble]
         for other in others:
-            member, member_config, member_tokenizer = load_model(other, dev)
-            if not member_tokenizer.same_as(tokenizer):
+            # The vocabulary first: loading refuses a tokenizer that is not its own model's, but here the mistake is
+            # mixing vocabularies
+            if not read_tokenizer(other).same_as(tokenizer):
                 raise MtcliError(
                     f"{other}: its SentencePiece model differs from that of {checkpoint}; an ensemble needs models "
                     "trained on one vocabulary (the same data cache)"
                 )
+            member, member_config, _ = load_model(other, dev)
             members.append(inference_model(member, name))
             if member_config.model.max_positions < config.model.max_positions:  # the shortest limit holds for all
                 config = config.replace(**{"model.max_positions": member_config.model.max_positions})
@@ -229,7 +231,11 @@ class Translator:
         the translator's own (chosen when it was loaded)."""
         if options.get("precision") not in (None, self.precision):
             raise MtcliError("the precision is chosen when the translator is loaded (from_run(..., precision=...))")
-        return decode_settings(decode or self.config.decode, **options)
+        decode = decode_settings(decode or self.config.decode, **options)
+        vocab = self.tokenizer.tgt_vocab_size  # the model's too (load_model checks they agree)
+        if decode.beam > vocab:  # the search keeps the beam's best tokens of the vocabulary: it needs that many
+            raise MtcliError(f"--beam {decode.beam}: larger than the model's target vocabulary of {vocab:,} subwords")
+        return decode
 
     def translate(self, lines: list[str], decode: DecodeConfig | None = None, progress=False, **options) -> list[str]:
         """The best translation of each line, in order; options are decode settings, e.g. beam=5, lenpen=1.0."""

@@ -426,6 +426,54 @@ def test_json_nulls_are_empty_sides(tmp_path):
     assert data.split("test").texts() == (["", "the dog", pairs[0][0]], ["", "", pairs[0][1]])
 
 
+NESTED = '{"translation": {"en": "a cat", "de": "eine Katze"}}'
+FLAT = '{"en": "a cat", "de": "eine Katze"}'
+
+
+@pytest.mark.parametrize(
+    ("good", "bad", "words"),
+    [
+        (NESTED, '{"translation": {"en": "a", "de": "b"', "not valid JSON (Expecting ',' delimiter at column"),
+        (NESTED, "not json at all", "not valid JSON (Expecting value at column 1)"),
+        (NESTED, '["a cat", "eine Katze"]', "expected a JSON object"),
+        (NESTED, '"a cat"', "expected a JSON object"),
+        (NESTED, "1" * 5000, "not valid JSON"),  # Python's int() refuses the digits
+        (NESTED, '{"translation": "a cat"}', "`translation` is"),
+        (NESTED, '{"translation": {"en": ["a", "cat"], "de": "b"}}', "`translation.en` is a list"),
+        (NESTED, '{"translation": {"en": "a", "de": {"text": "b"}}}', "`translation.de` is an object"),
+        (FLAT, '{"en": {"text": "a"}, "de": "b"}', "`en` is an object"),
+        (FLAT, '{"en": "a", "de": true}', "`de` is"),
+    ],
+)
+@pytest.mark.parametrize("blank_lines", [0, 2])  # the reader skips blank lines: line numbers must not
+def test_a_malformed_jsonl_line_is_named_by_file_and_line(tmp_path, good, bad, words, blank_lines):
+    """Errors the datasets reader gives without a line ("An error occurred while generating the dataset"), values
+    that are not sentences (a list would have been trained on as its Python repr): each names its line."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    lines = [good] * 40
+    lines[5:5] = [""] * blank_lines
+    lines.insert(30, bad)
+    (folder / "train.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with pytest.raises(MtcliError) as info:
+        prepare(make_config(tmp_path, {"path": str(folder)}))
+    message = str(info.value)
+    assert message.startswith(f"{folder / 'train.jsonl'}:31: ") and words in message and "\n" not in message
+    assert no_leftovers(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("content", ["{", "[]", '{"dtype": "uint16"}', '{"dtype": "float64", "splits": {}}'])
+def test_a_damaged_cache_meta_json_is_one_line(tmp_path, tiny_corpus, content):
+    cfg = make_config(tmp_path, {"path": str(tiny_corpus)})
+    meta = prepare(cfg).folder / "meta.json"
+    meta.write_text(content)
+    split = mtcli.data.EncodedSplit(meta.parent, "train")
+    for read in (lambda: prepare(cfg), lambda: eval_texts(cfg, "test"), lambda: split.src(0)):
+        with pytest.raises(MtcliError, match=rf"^{re.escape(str(meta))}: damaged data cache; rebuild it"):
+            read()
+    assert prepare(cfg, force=True).meta["splits"]["train"]["total"] == 300
+
+
 def test_vocab_size_below_the_characters_is_a_config_error(tmp_path):
     folder = tmp_path / "corpus"
     chars = [chr(0x4E00 + i) for i in range(400)]  # 400 distinct Chinese characters
@@ -571,6 +619,7 @@ def test_subword_sampling_resegments_the_same_pairs_reproducibly(tmp_path, tiny_
 
     one = sampled(1, 0)
     assert len(one) == len(base)
+    assert len(sampled(2**32 - 1, 7)) == len(base)  # the largest train.seed (SentencePiece's seed has 32 bits)
     assert pieces(one) == pieces(sampled(1, 0))
     assert pieces(one) != pieces(sampled(1, 1)) and pieces(one) != pieces(sampled(2, 0))
     assert pieces(one) != pieces(base)
