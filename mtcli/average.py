@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from mtcli.checkpoint import checkpoint_dir, checkpoint_file, list_checkpoints, read_metadata
+from mtcli.checkpoint import checkpoint_config, checkpoint_dir, checkpoint_file, list_checkpoints, read_metadata
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
@@ -42,12 +42,12 @@ def average_checkpoints(paths: list[Path], out: Path, force: bool = False) -> Pa
     refuse_input_overlap(out, paths, "--output")
     check_folder_target(out, "average", force, "--output")
     metas = [read_metadata(p) for p in paths]
-    reference = json.loads(metas[0]["config"])
+    reference = checkpoint_config(metas[0], str(checkpoint_file(paths[0]))).model
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for path, meta in zip(paths, metas):
-        config = json.loads(meta["config"])
-        same = config["model"] == reference["model"] and all(
+        model = checkpoint_config(meta, str(checkpoint_file(path))).model  # damaged metadata: one line naming it
+        same = model == reference and all(
             meta.get(k) == metas[0].get(k) for k in ("src_vocab_size", "tgt_vocab_size", "joint_vocab")
         )
         if not same:

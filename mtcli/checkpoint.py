@@ -14,6 +14,7 @@ lock is in rundir.py, averaging in average.py.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import re
@@ -28,12 +29,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_model as load_safetensors_into
 from safetensors.torch import save_model as save_safetensors
 
-from mtcli.config import Config
+from mtcli.config import Config, ModelConfig, shown
 from mtcli.config_loader import config_from_dict
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.model import Transformer
-from mtcli.tokenizer import MTCLI_SPECIALS, Specials, Tokenizer
+from mtcli.tokenizer import Tokenizer
 
 CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
 # What older checkpoints' configs meant, in today's keys (nobody chose these: they were the only behaviour):
@@ -41,6 +42,8 @@ CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
 # 3: data.clean filters; before, none ran: read as all off, so an old run resumes on the data it was trained on.
 CONFIG_VERSION = 3
 CLEAN_OFF = {"duplicates": False, "copies": False, "max_repeat": 0, "max_other_script": 1.0, "langid": False}
+# What restore_training reads from state.pt (training_payload writes them)
+STATE_KEYS = ("update", "epoch", "group", "best_score", "bad_validations", "world_size", "optimizer", "scaler", "rng")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -70,12 +73,37 @@ def last_checkpoint(run_dir: Path) -> Path | None:
 
 
 def best_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `best.json` names, or None when there is no best.json yet (before the first validation). A
+    best.json that is damaged or names a checkpoint that is gone is an error: falling back to another checkpoint
+    would score it as the best without saying so."""
+    name = best_name(run_dir)
+    if name is None:
+        return None
+    path = checkpoint_dir(run_dir) / name
+    if not (path / "model.safetensors").is_file():
+        raise MtcliError(
+            f"{checkpoint_dir(run_dir) / 'best.json'}: names checkpoint `{name}`, which is not in "
+            f"{checkpoint_dir(run_dir)}; pass --checkpoint with the one to use, or delete best.json to use the newest"
+        )
+    return path
+
+
+def best_name(run_dir: Path) -> str | None:
+    """The checkpoint folder name in a run's best.json (None without one); a damaged file is a one-line error."""
     pointer = checkpoint_dir(run_dir) / "best.json"
-    if pointer.is_file():
-        path = checkpoint_dir(run_dir) / json.loads(pointer.read_text())["checkpoint"]
-        if (path / "model.safetensors").is_file():
-            return path
-    return None
+    if not pointer.is_file():
+        return None
+    try:
+        name = json.loads(pointer.read_text(encoding="utf-8")).get("checkpoint")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        name = None  # unreadable, not JSON, or not an object: all the same to the user
+    # A plain folder name: `../other-run/...` or an absolute path would load a checkpoint from outside the run.
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+        raise MtcliError(
+            f'{pointer}: damaged; expected a JSON object like {{"checkpoint": "update_00001000"}} naming a '
+            f"folder in {pointer.parent}. Rewrite it (or delete it to use the newest checkpoint), or pass --checkpoint"
+        )
+    return name
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -171,10 +199,11 @@ def remove_temporary(run_dir: Path) -> None:
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
-    """Remove numbered checkpoints beyond the newest `keep_last`, never the best one."""
-    best = best_checkpoint(run_dir)
+    """Remove numbered checkpoints beyond the newest `keep_last`, never the best one (a damaged best.json stops
+    this with an error rather than let the best checkpoint go)."""
+    best = best_name(run_dir)
     for path in list_checkpoints(run_dir)[:-keep_last]:
-        if best is None or path.resolve() != best.resolve():
+        if path.name != best:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -187,40 +216,113 @@ def read_metadata(path: Path) -> dict[str, str]:
         raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
 
 
-def checkpoint_config(meta: dict[str, str]) -> Config:
-    """The resolved config in a checkpoint's metadata, brought up to CONFIG_VERSION."""
-    tree, version = json.loads(meta["config"]), int(meta.get("config_version", 1))
-    if version < 2 and tree.get("decode", {}).get("min_len") == 0:
-        tree["decode"]["min_len"] = 1
-    if version < 3:
-        tree.setdefault("data", {}).setdefault("clean", CLEAN_OFF)
-    return config_from_dict(tree, source="checkpoint metadata")
+def checkpoint_config(meta: dict[str, str], source: str = "checkpoint metadata") -> Config:
+    """The resolved config in a checkpoint's metadata, brought up to CONFIG_VERSION; metadata that is missing or
+    damaged is a one-line error naming `source` (the file)."""
+    if "config" not in meta:
+        raise MtcliError(f"{source}: not an mtcli checkpoint (its metadata has no `config`)")
+    try:
+        tree, version = json.loads(meta["config"]), int(meta.get("config_version", 1))
+    except (ValueError, RecursionError) as e:  # RecursionError: thousands of nested brackets
+        raise MtcliError(f"{source}: damaged config in its metadata ({' '.join(str(e).split())[:200]})") from None
+    if not isinstance(tree, dict):
+        raise MtcliError(f"{source}: damaged config in its metadata (not a JSON object)")
+    decode, data = tree.get("decode"), tree.setdefault("data", {})
+    if version < 2 and isinstance(decode, dict) and decode.get("min_len") == 0:
+        decode["min_len"] = 1
+    if version < 3 and isinstance(data, dict):
+        data.setdefault("clean", CLEAN_OFF)
+    return config_from_dict(tree, source=source)
 
 
 def read_config(path: Path) -> Config:
     """The resolved config a checkpoint was trained with (from its metadata; the weights are not read)."""
-    try:
-        return checkpoint_config(read_metadata(path))
-    except (KeyError, ValueError) as e:
+    model_file = checkpoint_file(path)
+    return checkpoint_config(read_metadata(model_file), str(model_file))
+
+
+def build_model(model_file: Path, meta: dict[str, str], tokenizer: Tokenizer) -> tuple[Transformer, Config]:
+    """The model a checkpoint's metadata describes, checked against the tensors its weights file declares (read
+    from the file's header, without loading one): metadata edited to 100,000 layers or a billion-piece vocabulary
+    is refused before memory is spent on it, and a model built is then compared tensor by tensor."""
+    config = checkpoint_config(meta, str(model_file))
+    sizes = []
+    for side, tokenizer_size in (("src", tokenizer.src_vocab_size), ("tgt", tokenizer.tgt_vocab_size)):
+        size = meta.get(f"{side}_vocab_size")
+        if size != str(tokenizer_size):  # the model and its tokenizer are saved together: they always agree
+            raise MtcliError(
+                f"{model_file}: its metadata has {side}_vocab_size `{shown(size)}`, but the tokenizer beside it has "
+                f"{tokenizer_size:,} pieces; the folder mixes files of different models (or the metadata was edited)"
+            )
+        sizes.append(tokenizer_size)
+    joint = meta.get("joint_vocab") == "True"
+    declared = declared_shapes(model_file)
+    held, needed = sum(math.prod(shape) for shape in declared.values()), stored_weights(config.model, *sizes, joint)
+    if needed > held:  # then building the model would spend more memory than the file holds
+        m = config.model
         raise MtcliError(
-            f"{checkpoint_file(path)}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})"
-        ) from None
-
-
-def build_model(meta: dict[str, str], specials: Specials = MTCLI_SPECIALS) -> tuple[Transformer, Config]:
-    config = checkpoint_config(meta)
-    model = Transformer(
-        config.model,
-        int(meta["src_vocab_size"]),
-        int(meta["tgt_vocab_size"]),
-        meta.get("joint_vocab") == "True",
-        specials,
-    )
+            f"{model_file}: its metadata describes a model of at least {needed:,} weights ({m.n_encoder_layers}+"
+            f"{m.n_decoder_layers} layers, d_model {m.d_model}, d_ff {m.d_ff}), but the file holds {held:,}; "
+            "the metadata does not match the weights (edited or damaged)"
+        )
+    model = Transformer(config.model, *sizes, joint, tokenizer.specials)
+    check_declared_shapes(model, model_file, declared)
     return model, config
 
 
+def stored_weights(cfg: ModelConfig, src_vocab: int, tgt_vocab: int, joint: bool) -> int:
+    """The weights a Transformer of this shape stores in its file, biases and norms left out (so never more than the
+    file of such a model holds): what is checked before the model is built. Computed, not built: building even an
+    empty (meta-device) model first imports torch's compiler, 3 seconds of every `mtcli translate`."""
+    d = cfg.d_model
+    shared = cfg.tie_embeddings and joint and src_vocab == tgt_vocab  # one matrix for both embeddings
+    count = cfg.layer_parameters() + src_vocab * d + (0 if shared else tgt_vocab * d)
+    count += 0 if cfg.tie_embeddings else tgt_vocab * d  # the output projection
+    count += cfg.max_positions * d if cfg.positions == "learned" else 0
+    return count + (tgt_vocab if cfg.output_bias else 0)
+
+
+def declared_shapes(model_file: Path) -> dict[str, list[int]]:
+    """Each tensor's shape as the weights file's header declares it (no tensor is read)."""
+    try:
+        with safe_open(str(model_file), framework="pt") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (OSError, SafetensorError) as e:
+        raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+
+
+def check_declared_shapes(model: torch.nn.Module, model_file: Path, declared: dict[str, list[int]]) -> None:
+    """Every tensor of `model` in the weights file with the same shape, and nothing else there. Tied weights are
+    stored once, under any one of their names."""
+    tensors = model.state_dict(keep_vars=True)
+    tied: dict[int, list[str]] = {}
+    for name, tensor in tensors.items():
+        tied.setdefault(id(tensor), []).append(name)
+    for names in tied.values():
+        stored = [name for name in names if name in declared] or names[:1]
+        for name in stored:
+            expected = list(tensors[name].shape)
+            if name not in declared:
+                raise MtcliError(
+                    f"{model_file}: the model its metadata describes has a tensor `{name}` (shape {expected}) that "
+                    "the file lacks; the metadata does not match the weights (edited or damaged)"
+                )
+            if declared[name] != expected:
+                raise MtcliError(
+                    f"{model_file}: tensor `{name}` has shape {declared[name]}, but the model its metadata describes "
+                    f"needs {expected}; the metadata does not match the weights (edited or damaged)"
+                )
+    extra = sorted(set(declared) - set(tensors))
+    if extra:
+        raise MtcliError(
+            f"{model_file}: tensor `{shown(extra[0])}` ({len(extra)} such) is not part of the model its metadata "
+            "describes; the metadata does not match the weights (edited or damaged)"
+        )
+
+
 def load_weights(model: Transformer, path: Path) -> None:
-    """Load a checkpoint's weights into `model` in place; a file that does not fit it is a one-line error."""
+    """Load a checkpoint's weights into `model` in place; a file that does not fit it, or that holds a NaN or an
+    infinity, is a one-line error."""
     model_file = checkpoint_file(path)
     try:
         missing, unexpected = load_safetensors_into(model, str(model_file), strict=False)
@@ -231,22 +333,36 @@ def load_weights(model: Transformer, path: Path) -> None:
             f"{model_file}: weights do not match the model its config describes "
             f"(missing {missing[:3]}, unexpected {unexpected[:3]})"
         )
+    # A non-finite weight makes every score NaN: beam search then finds no hypothesis and greedy search returns an
+    # empty line without a word, so it is refused here, by the name the file stores it under (one per tied group).
+    with safe_open(str(model_file), framework="pt") as f:
+        stored = set(f.keys())
+    for name, tensor in model.state_dict().items():
+        if name in stored and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise MtcliError(
+                f"{model_file}: tensor `{name}` holds NaN or infinite values; the checkpoint is damaged or was saved "
+                "from a run that diverged. Use an earlier checkpoint (--checkpoint)"
+            )
 
 
 def load_model(path: Path, device: torch.device | str = "cpu") -> tuple[Transformer, Config, Tokenizer]:
     """A checkpoint folder (or its model.safetensors) -> model in eval mode, its config and its tokenizer (whose
     special ids the model uses)."""
     model_file = checkpoint_file(path)
-    try:
-        tokenizer = Tokenizer.from_folder(model_file.parent)
-    except (OSError, RuntimeError) as e:
-        raise MtcliError(f"{model_file.parent}: no usable SentencePiece model next to the checkpoint ({e})") from None
-    try:
-        model, config = build_model(read_metadata(model_file), tokenizer.specials)
-    except (KeyError, ValueError) as e:
-        raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
+    tokenizer = read_tokenizer(model_file)
+    model, config = build_model(model_file, read_metadata(model_file), tokenizer)
     load_weights(model, model_file)
     return model.to(device).eval(), config, tokenizer
+
+
+def read_tokenizer(path: Path) -> Tokenizer:
+    """The tokenizer beside a checkpoint (a folder or its model.safetensors)."""
+    folder = checkpoint_file(path).parent
+    try:
+        return Tokenizer.from_folder(folder)
+    except (OSError, RuntimeError) as e:
+        reason = " ".join(str(e).split())[:200]
+        raise MtcliError(f"{folder}: no usable tokenizer next to the checkpoint ({reason})") from None
 
 
 def load_state(path: Path) -> dict:
@@ -258,13 +374,20 @@ def load_state(path: Path) -> dict:
     try:
         with warnings.catch_warnings():  # a damaged file can draw a warning before the error: the error says it all
             warnings.simplefilter("ignore")
-            return torch.load(state_file, map_location="cpu", weights_only=True)
+            payload = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
         reason = " ".join(str(e).split())[:200]
         raise MtcliError(
             f"{state_file}: refused ({type(e).__name__}: {reason}); it holds something other than mtcli's training "
             "state, or it is damaged. Resume from an earlier checkpoint or retrain"
         ) from None
+    missing = [key for key in STATE_KEYS if key not in payload] if isinstance(payload, dict) else list(STATE_KEYS)
+    if missing:
+        raise MtcliError(
+            f"{state_file}: refused (no {', '.join(missing[:3])}); it holds something other than mtcli's training "
+            "state. Resume from an earlier checkpoint or retrain"
+        )
+    return payload
 
 
 def checkpoint_file(path: Path) -> Path:
@@ -320,7 +443,7 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
     """Load checkpoint `path` into the model, optimizer and scaler, put back this rank's RNG streams, and return the
     loop's position. The model and data settings must be the ones the run was trained with."""
     run_dir = path.parent.parent
-    saved = checkpoint_config(read_metadata(path)).to_dict()  # keys added since it was written: what they meant then
+    saved = read_config(path).to_dict()  # keys added since it was written: what they meant then
     current = config.to_dict()
     for tree in (saved, current):
         tree["data"].pop("cache_dir", None)  # where the cache lives does not change what is in it

@@ -160,6 +160,8 @@ def check_file_target(target: Path, force: bool, inputs: Iterable[Path | str] = 
     refuse_input_overlap(target, inputs, option)
     if target.is_dir():
         raise MtcliError(f"{option} {target}: is a folder; give a file name")
+    if not target.parent.is_dir():
+        raise MtcliError(f"{option} {target}: the folder {target.parent} does not exist")
     if target.exists() and target.stat().st_size > 0 and not force:
         raise MtcliError(f"{option} {target}: exists and is not empty; pass --force to replace it, or give a new name")
 

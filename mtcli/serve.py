@@ -73,6 +73,8 @@ class Server:
         # Sentences longer than the positions are cut here (translate_texts), before they are queued, so that the
         # worker counts and batches what the model will read
         translator.split_long = False
+        # no beam (or alternatives + 1) wider than the target vocabulary: the search keeps that many best tokens
+        limits = replace(limits, max_beam=min(limits.max_beam, translator.tokenizer.tgt_vocab_size))
         self.translator, self.decode, self.limits = translator, decode, limits
         self.src, self.tgt = translator.config.data.src_lang, translator.config.data.tgt_lang
         self.metrics = Metrics()

@@ -14,7 +14,7 @@ import os
 import re
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import sentencepiece as spm
@@ -180,7 +180,7 @@ class MarianVocabTokenizer(Tokenizer):
         self.tgt_piece_of = {i: piece for piece, i in self.tgt_vocab.items()}
         self.threads = os.cpu_count() or 1
         if (folder / self.SPECIALS).is_file():
-            self.specials = Specials(**json.loads((folder / self.SPECIALS).read_text(encoding="utf-8")))
+            self.specials = _read_specials(folder / self.SPECIALS, min(len(self.src_vocab), len(self.tgt_vocab)))
         else:  # opus-mt's layout: the decoder starts from the pad token
             pad = self.tgt_vocab.get("<pad>", len(self.tgt_vocab) - 1)
             self.specials = Specials(pad=pad, unk=self.tgt_vocab["<unk>"], bos=pad, eos=self.tgt_vocab["</s>"])
@@ -248,3 +248,19 @@ def _read_vocab(path: Path) -> dict[str, int]:
         if token not in vocab:
             raise MtcliError(f"{path}: no `{token}` entry; this is not a MarianMT vocabulary")
     return vocab
+
+
+def _read_specials(path: Path, vocab_size: int) -> Specials:
+    """special_ids.json: {"pad": id, "unk": id, "bos": id, "eos": id}, each id in the vocabulary (an id past it
+    would fail deep inside the model, as an embedding's padding index)."""
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MtcliError(f"{path}: not readable JSON ({' '.join(str(e).split())[:200]})") from None
+    names = [f.name for f in fields(Specials)]
+    if not isinstance(ids, dict) or sorted(ids) != sorted(names):
+        raise MtcliError(f"{path}: expected a JSON object with exactly the ids {', '.join(names)}")
+    bad = [k for k in names if type(ids[k]) is not int or not 0 <= ids[k] < vocab_size]
+    if bad:
+        raise MtcliError(f"{path}: the {', '.join(bad)} id must be an integer from 0 to {vocab_size - 1}")
+    return Specials(**ids)
