@@ -739,7 +739,6 @@ def main() -> None:
         pickle_payload(work, cache)
         tried = bad_inputs(work, cache)
         safe_tried = files_are_safe(work)
-        print("the server against hostile clients:", flush=True)
         serve_tried = serve_faults(work, work / "reference", record)
         peak = big_stdin(work)
     finally:
