@@ -58,8 +58,8 @@ from mtcli.config_loader import load_config  # noqa: E402
 from mtcli.corpus import fingerprint_hash  # noqa: E402
 from mtcli.data import cache_key, eval_texts, prepare  # noqa: E402
 from mtcli.device import DTYPES, choose_precision, cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
-from mtcli.evaluate import score  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
+from mtcli.scoring import score  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
 from mtcli.update import Trainer, train_step  # noqa: E402
 
@@ -294,6 +294,15 @@ def peer_training() -> dict:
 
 
 @contextmanager
+def same_model_decoding(rounds: int) -> dict:
+    """mtcli and CTranslate2 decoding the same exported model (benchmarks/decode_vs_ct2.py), its figures."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "decode.json"
+        script = ROOT / "benchmarks" / "decode_vs_ct2.py"
+        subprocess.run([sys.executable, str(script), "--rounds", str(rounds), "--json", str(out)], check=True, cwd=ROOT)
+        return json.loads(out.read_text())
+
+
 def cpu_lock():
     """The peers' CPU lock (../shared/peers/README.md): no peer runs while mtcli is timed, and the reverse."""
     LOCK.parent.mkdir(parents=True, exist_ok=True)
@@ -326,10 +335,8 @@ def main() -> None:
         results["peers_train"] = peer_training()
     with cpu_lock() if args.peers else nullcontext():
         results.update(measure(cfg, data, args))
-        if args.peers:
-            from decode_vs_ct2 import compare  # it imports this module
-
-            results["peers_decode_same_model"] = compare(cfg, rounds=3)
+        if args.peers:  # decode_vs_ct2.py builds on this module: run as its own script, it imports nothing back
+            results["peers_decode_same_model"] = same_model_decoding(rounds=3)
     if args.peers:
         results["mtcli_over_peers_train"] = {
             f"{precision}_over_{peer}": results[f"train_tgt_tok_per_s_{precision}"] / figures["train_tgt_tok_per_s"]

@@ -172,8 +172,8 @@ def main() -> None:
         sys.exit(f"bench-serve: {TEST_SOURCES} not found (the benchmark sends the shared Multi30k test sentences)")
     sentences = TEST_SOURCES.read_text(encoding="utf-8").splitlines()
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from mtcli.checkpoint import read_config
-    from mtcli.translate import resolve_checkpoint, translation_precision
+    from mtcli.checkpoint import read_config, resolve_checkpoint
+    from mtcli.inference import translation_precision
 
     if args.run:
         checkpoint = resolve_checkpoint(args.run)

@@ -40,8 +40,8 @@ from bench import CACHE, CONFIG, decode_model, machine, peers_decode_spec  # noq
 from mtcli.config_loader import load_config  # noqa: E402
 from mtcli.data import eval_texts  # noqa: E402
 from mtcli.device import cpu_bf16_units, keep_freed_memory, keep_onednn_kernels  # noqa: E402
-from mtcli.evaluate import score  # noqa: E402
 from mtcli.export import export_ctranslate2  # noqa: E402
+from mtcli.scoring import score  # noqa: E402
 from mtcli.tokenizer import Tokenizer  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
 

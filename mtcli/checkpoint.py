@@ -400,6 +400,50 @@ def checkpoint_file(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Which checkpoint a command uses: --checkpoint, or a run's best, or the latest run's
+
+
+def find_run(runs_root: Path = Path("runs")) -> Path:
+    """The most recently trained run under ./runs (the one whose newest checkpoint is newest)."""
+    candidates = []
+    if runs_root.is_dir():
+        for run in runs_root.iterdir():
+            ckpt = last_checkpoint(run)
+            if ckpt is not None:
+                candidates.append((ckpt.stat().st_mtime, str(run)))
+    if not candidates:
+        raise MtcliError(
+            f"no trained run found under {runs_root}/; train one (mtcli train --config toy.yaml) "
+            "or pass --run DIR or --checkpoint PATH"
+        )
+    return Path(max(candidates)[1])
+
+
+def resolve_checkpoint(run: Path | str | None = None, checkpoint: Path | str | None = None) -> Path:
+    """--checkpoint as given; else the best (or, before any validation, the newest) checkpoint of --run or of the
+    latest run under ./runs. What was picked by default is said on the log."""
+    if checkpoint is not None:
+        return Path(checkpoint)
+    latest = run is None
+    run = find_run() if latest else Path(run)
+    if not run.is_dir():
+        raise MtcliError(f"--run {run}: no such run directory")
+    best = best_checkpoint(run)
+    ckpt = best or last_checkpoint(run)
+    if ckpt is None:
+        raise MtcliError(f"run {run} has no checkpoint yet; train it first (mtcli train ... --run-dir {run})")
+    which = "best by validation" if best else "newest; no validation yet"
+    logger.info(f"checkpoint: {ckpt} ({which}{', latest run under ./runs' if latest else ''})")
+    return ckpt
+
+
+def resolve_member(path: Path | str) -> Path:
+    """An ensemble member given as a run directory (its best checkpoint) or as a checkpoint folder."""
+    path = Path(path)
+    return resolve_checkpoint(path) if checkpoint_dir(path).is_dir() else path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Training state: what `--resume` needs besides the weights
 
 

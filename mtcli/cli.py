@@ -147,41 +147,19 @@ def translate(
 
     Example: mtcli translate "I love apples"   |   mtcli translate --input news.en --output news.zh --beam 5
     """
-    from mtcli.checkpoint import read_config
-    from mtcli.config_loader import with_overrides
-    from mtcli.corpus import read_lines
-    from mtcli.line_io import chunked, stdin_chunks, write_translations
-    from mtcli.outputs import check_file_target, new_file
-    from mtcli.translate import Translator, decode_settings, resolve_checkpoint
+    from mtcli.checkpoint import read_config, resolve_checkpoint
+    from mtcli.line_io import open_source, translate_source
+    from mtcli.translate import load_translator
 
-    if text and text != ["-"] and input_file is not None:
-        raise MtcliError("give sentences or --input FILE, not both")
-    stdin = input_file is None and text in ([], None, ["-"])
-    if stdin and sys.stdin.isatty() and text != ["-"]:
-        raise MtcliError("nothing to translate: give sentences, --input FILE, or pipe text into stdin")
-    if output_file is not None:  # before anything is read: --output may be the input, or someone's file
-        check_file_target(output_file, force, [input_file, run, checkpoint, *(ensemble or [])])
-    lines = read_lines(input_file) if input_file is not None else None
+    source = open_source(text, input_file, output_file, force, [run, checkpoint, *(ensemble or [])])
     ckpt = resolve_checkpoint(run, checkpoint)
     options = dict(beam=beam, nbest=nbest, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b)
     options |= dict(sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
     options |= dict(batch_tokens=batch_tokens, precision=precision)
-    decode = decode_settings(with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode, **options)
-    translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
-    translator.split_long = split_long
-    if stdin:
-        max_chars = 1 << 26 if split_long else translator.max_chars  # split: keep a long line whole
-        chunks, total = stdin_chunks(max_chars=max_chars), 0
-    elif lines is not None:
-        chunks, total = chunked(lines), len(lines)
-    else:
-        chunks, total = [list(text)], 0
-    if output_file is None:
-        write_translations(translator, chunks, decode, sys.stdout, total)
-        return
-    # into a temporary sibling, renamed onto --output only when every line is written: an error leaves it untouched
-    with new_file(output_file, force, [input_file]) as out:
-        write_translations(translator, chunks, decode, out, total)
+    translator, decode = load_translator(
+        ckpt, read_config(ckpt), overrides or [], device, ensemble or [], split_long, **options
+    )
+    translate_source(translator, decode, source, output_file, force)
 
 
 @app.command("eval", short_help="Score a split or files: BLEU, chrF, chrF++, TER; confidence, paired tests.")
@@ -215,22 +193,23 @@ def evaluate(
 
     Example: mtcli eval --run runs/multi30k --split test --confidence --compare runs/multi30k-seed2
     """
-    from mtcli.checkpoint import run_of
-    from mtcli.config_loader import with_overrides
-    from mtcli.evaluate import ScoreOptions, eval_config, evaluation_set, format_report, parse_metrics
+    from mtcli.checkpoint import resolve_checkpoint, run_of
+    from mtcli.evaluate import eval_config, evaluation_set, format_report
     from mtcli.evaluate import evaluate as run_eval
     from mtcli.outputs import check_file_target
-    from mtcli.translate import Translator, decode_settings, resolve_checkpoint
+    from mtcli.scoring import ScoreOptions, parse_metrics
+    from mtcli.translate import load_translator
 
     scoring = ScoreOptions(parse_metrics(metrics), lowercase, confidence)
     if sentence_scores is not None:  # before translating: --sentence-scores may be an input, or someone's file
         check_file_target(sentence_scores, force, [src, *(refs or [])], "--sentence-scores")
     ckpt = resolve_checkpoint(run, checkpoint)
-    cfg = with_overrides(eval_config(ckpt, run if checkpoint is not None else None), overrides or [], ("decode",))
-    sources, references, stem = evaluation_set(cfg, split, src, refs or [])
+    config = eval_config(ckpt, run if checkpoint is not None else None)
+    sources, references, stem = evaluation_set(config, split, src, refs or [])  # before the model loads
     options = dict(beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, precision=precision)
-    decode = decode_settings(cfg.decode, nbest=1, sampling=False, **options)
-    translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
+    translator, decode = load_translator(
+        ckpt, config, overrides or [], device, ensemble or [], nbest=1, sampling=False, **options
+    )
     out_dir = run_of(ckpt) / "eval"
     name = f"{stem}.{ckpt.name}" + (f".ensemble{len(translator.ensemble) + 1}" if translator.ensemble else "")
     compare = compare or []
@@ -275,8 +254,8 @@ def export(
     Example: mtcli export --run runs/toy --format hf --out toy-hf
     (or --format ctranslate2 --quantization int8 --out toy-ct2)
     """
+    from mtcli.checkpoint import resolve_checkpoint
     from mtcli.export import export_ctranslate2, export_hf
-    from mtcli.translate import resolve_checkpoint
 
     if format not in ("hf", "ctranslate2"):
         raise MtcliError(f"--format {format}: choose hf or ctranslate2")
@@ -366,11 +345,10 @@ def serve(
 
     Example: mtcli serve --run runs/multi30k --port 5000   then open http://127.0.0.1:5000/
     """
-    from mtcli.checkpoint import read_config
-    from mtcli.config_loader import with_overrides
-    from mtcli.serve import serve as run_server  # first: it says which extra to install when one is missing
+    from mtcli.checkpoint import read_config, resolve_checkpoint
+    from mtcli.serve import serve as run_server  # says which extra to install when one is missing
     from mtcli.serve_requests import ServeLimits, read_api_keys
-    from mtcli.translate import Translator, decode_settings, resolve_checkpoint
+    from mtcli.translate import load_translator
 
     if not 0 <= port <= 65535:  # before the model loads
         raise MtcliError(f"--port {port}: choose 0 to 65535 (0: a free one)")
@@ -387,9 +365,9 @@ def serve(
         body_timeout=body_timeout,
     )
     ckpt = resolve_checkpoint(run, checkpoint)
-    decode = with_overrides(read_config(ckpt), overrides or [], ("decode",)).decode
-    decode = decode_settings(decode, precision=precision)
-    translator = Translator.from_checkpoint(ckpt, device, decode.precision, ensemble or [])
+    translator, decode = load_translator(
+        ckpt, read_config(ckpt), overrides or [], device, ensemble or [], precision=precision
+    )
     run_server(translator, decode, limits, host, port)
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 
 from sacrebleu.significance import PairedTest
 
+from mtcli.checkpoint import resolve_member
 from mtcli.config import DecodeConfig
-from mtcli.corpus import read_lines
 from mtcli.errors import MtcliError
-from mtcli.evaluate import (
+from mtcli.line_io import read_lines
+from mtcli.scoring import (
     ScoreOptions,
     make_metric,
     metric_groups,
@@ -23,7 +24,7 @@ from mtcli.evaluate import (
     sacrebleu_flags,
     write_lines,
 )
-from mtcli.translate import Translator, resolve_member
+from mtcli.translate import Translator
 
 # sacreBLEU's defaults for --paired-bs-n and --paired-ar-n, which PairedTest takes for n_samples=0
 TESTS = {

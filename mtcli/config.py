@@ -353,15 +353,6 @@ class Config:
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False, allow_unicode=True)
 
-    def replace(self, **sections: Any) -> Config:
-        """A copy with whole sections or dotted keys replaced: cfg.replace(**{"train.seed": 3})."""
-        from mtcli.config_loader import config_from_dict, set_dotted  # the loader builds on these classes
-
-        tree = self.to_dict()
-        for key, value in sections.items():
-            set_dotted(tree, key, value)
-        return config_from_dict(tree, source="<replace>")
-
 
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:

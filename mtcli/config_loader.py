@@ -118,8 +118,9 @@ def resolve_config_path(name: str | Path) -> Path:
     raise ConfigError(f"config file not found: {name} (shipped configs: {', '.join(shipped_config_names())})")
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML config (a path, or the name of a shipped config) and apply `key=value` overrides."""
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), need_source: bool = True) -> Config:
+    """Read a YAML config (a path, or the name of a shipped config) and apply `key=value` overrides. need_source:
+    it must name its data (an imported model's run names none)."""
     path = resolve_config_path(path)
     try:
         tree = parse_yaml(path.read_text(encoding="utf-8")) or {}
@@ -131,7 +132,8 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     _apply_overrides(tree, overrides)
     config = config_from_dict(tree, source=str(path))
     try:
-        config.data.check_source()
+        if need_source:
+            config.data.check_source()
     except ConfigError as e:
         raise ConfigError(f"{e} (in {path})") from None
     return config
@@ -165,6 +167,14 @@ def _apply_overrides(tree: dict[str, Any], overrides: list[str] | tuple[str, ...
 
 def config_from_dict(tree: dict[str, Any], source: str = "<dict>") -> Config:
     return _build(Config, tree, prefix="", source=source)
+
+
+def replaced(config: Config, **changes: Any) -> Config:
+    """A copy with whole sections or dotted keys replaced and checked: replaced(cfg, **{"train.seed": 3})."""
+    tree = config.to_dict()
+    for key, value in changes.items():
+        set_dotted(tree, key, value)
+    return config_from_dict(tree, source="<replace>")
 
 
 def set_dotted(tree: dict[str, Any], key: str, value: Any) -> None:

@@ -8,7 +8,6 @@ streamed from Arrow's memory map rather than held in Python lists.
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import hashlib
 import json
@@ -20,7 +19,8 @@ from typing import Any
 from mtcli.config import DataConfig
 from mtcli.errors import MtcliError
 from mtcli.hub import hub_offline, require_hub
-from mtcli.mixture import open_train_corpora
+from mtcli.line_io import check_utf8, has_bare_cr
+from mtcli.toy import TOY_VERSION, write_toy_corpus
 
 ROLES = ("train", "valid", "test")
 
@@ -74,8 +74,6 @@ def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files],
         }
     if cfg.dataset == "toy":
-        from mtcli.toy import TOY_VERSION
-
         return {"toy": TOY_VERSION}
     hub = {"hub": cfg.dataset, "subset": cfg.subset, "revision": cfg.revision}
     if Path(cfg.dataset).is_dir():  # a local folder laid out like a Hub dataset
@@ -90,23 +88,20 @@ def source_fingerprint(cfg: DataConfig) -> dict[str, Any]:
 
 def open_splits(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None) -> dict[str, SplitSource]:
     """Every split the config names that exists; a missing train split is an error, others are skipped with a note
-    (appended to `notes`)."""
+    (appended to `notes`). With data.train_corpora, those make the train split (mtcli.mixture, which the caller
+    opens): the source of data.path or data.dataset gives only valid and test."""
     names = split_names(cfg)
-    if cfg.train_corpora:  # those make the train split; the source of data.path or data.dataset only valid and test
+    if cfg.train_corpora:
         names.pop("train", None)
     if cfg.path:
         found = _open_local(cfg, Path(cfg.path), names)
     elif cfg.dataset == "toy":
-        from mtcli.toy import write_toy_corpus
-
         folder = cache_dir / "toy-corpus"
         write_toy_corpus(folder)
         found = _open_local(cfg, folder, names)
     else:
         found = _open_hub(cfg, names)
-    if cfg.train_corpora:
-        found = {"train": open_train_corpora(cfg, cache_dir, notes), **found}
-    if "train" not in found:
+    if "train" not in found and not cfg.train_corpora:
         raise MtcliError(
             f"no train split `{names.get('train')}` in {describe_source(cfg)}: "
             "set data.splits.train to the name of the training split"
@@ -392,55 +387,6 @@ def _rows(rows):
     if isinstance(rows, range) and rows.step == 1:
         return slice(rows.start, rows.stop)
     return list(rows)
-
-
-def read_lines(path: Path) -> list[str]:
-    """A text file's lines, checked as UTF-8 first. Only "\\n" ends a line: universal newlines would split at a lone
-    "\\r", str.splitlines at form feeds and U+2028, and either would shift every later line against its reference."""
-    path = Path(path)
-    if not path.is_file():
-        raise MtcliError(f"{path}: no such file")
-    check_utf8(path)
-    with open(path, encoding="utf-8", newline="\n") as f:
-        lines = [line.rstrip("\n").removesuffix("\r") for line in f]
-    if lines:
-        lines[0] = lines[0].removeprefix("\ufeff")  # a byte-order mark is not part of the first sentence
-    return lines
-
-
-def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
-    """Raise an error naming the file and line of the first byte sequence that is not UTF-8."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    line = 1
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_size):
-            try:
-                decoder.decode(chunk)
-            except UnicodeDecodeError as e:
-                # Bytes left over from the previous chunk belong to the sequence that failed.
-                line += chunk.count(b"\n", 0, max(e.start - len(e.object) + len(chunk), 0))
-                raise MtcliError(
-                    f"{path}:{line}: not valid UTF-8 ({e.reason} at byte "
-                    f"{e.object[e.start : e.end]!r}); convert the file to UTF-8, e.g. with iconv"
-                ) from None
-            line += chunk.count(b"\n")
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError:
-            raise MtcliError(f"{path}:{line}: not valid UTF-8 (the file ends inside a character)") from None
-
-
-def has_bare_cr(path: Path, chunk_size: int = 1 << 24) -> bool:
-    """Whether the file holds a carriage return that is not part of a \\r\\n line end."""
-    with open(path, "rb") as f:
-        held = b""  # a \r at the end of a chunk: its \n may start the next one
-        while chunk := f.read(chunk_size):
-            data = held + chunk
-            held = b"\r" if data.endswith(b"\r") else b""
-            body = data[:-1] if held else data
-            if body.count(b"\r") != body.count(b"\r\n"):
-                return True
-    return bool(held)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from mtcli.config import Config, DataConfig
 from mtcli.corpus import describe_source, fingerprint_hash, open_splits, source_fingerprint
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora
+from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
@@ -37,6 +37,14 @@ TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest")  # never
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The cache
+
+
+def open_sources(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None) -> dict:
+    """The corpus's splits (mtcli.corpus), the train split made of data.train_corpora when it names them."""
+    sources = open_splits(cfg, cache_dir, notes)
+    if cfg.train_corpora:
+        sources = {"train": open_train_corpora(cfg, cache_dir, notes), **sources}
+    return sources
 
 
 def cache_key(cfg: DataConfig) -> dict:
@@ -229,7 +237,7 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
     try:
         # The header comes once the source is open, so a source that cannot be read fails with its error alone.
         notes: list[str] = []
-        sources = open_splits(data_cfg, folder.parent, notes)
+        sources = open_sources(data_cfg, folder.parent, notes)
         logger.info(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
         pair_filter = PairFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
         for note in notes + pair_filter.notes:
@@ -277,7 +285,7 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
     folder = cache_folder(cfg.data)
     if (folder / "meta.json").is_file() and role in read_meta(folder)["splits"]:
         return EncodedSplit(folder, role).texts()
-    sources = open_splits(cfg.data, folder.parent)
+    sources = open_sources(cfg.data, folder.parent)
     if role not in sources:
         raise MtcliError(f"no {role} split in {describe_source(cfg.data)} (data.splits.{role})")
     src_lines, tgt_lines = [], []

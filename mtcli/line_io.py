@@ -1,23 +1,28 @@
-"""Line-oriented input and output for `mtcli translate`: a file in chunks, stdin as lines arrive (batched when piped,
-one at a time when typed), and one output line per input line (or Moses n-best lines).
+"""Text in lines: files read whole with their UTF-8 checked (the line of the first bad byte named), and `mtcli
+translate`'s input and output: sentences, a file in chunks or stdin as lines arrive (batched when piped, one at a
+time when typed), written one output line per input line (or Moses n-best lines) to stdout or, whole or not at all,
+to a file. The translator is anything with translate_nbest (mtcli.translate.Translator).
 """
 
 from __future__ import annotations
 
+import codecs
 import queue
 import sys
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.log import progress_bar
-from mtcli.translate import Translation, Translator
+from mtcli.outputs import check_file_target, new_file
 
 
 def write_translations(
-    translator: Translator, chunks: Iterable[list[str]], decode: DecodeConfig, out: TextIO, total: int = 0
+    translator, chunks: Iterable[list[str]], decode: DecodeConfig, out: TextIO, total: int = 0
 ) -> int:
     """Translate chunks of lines in order, one output line per input line, or with decode.nbest > 1 Moses-style
     n-best lines `i ||| text ||| features ||| score`. A progress bar counts `total` lines when given. Returns the
@@ -37,7 +42,7 @@ def write_translations(
     return count
 
 
-def format_nbest(index: int, t: Translation) -> str:
+def format_nbest(index: int, t) -> str:
     """Moses n-best format: sentence index, translation, feature values (`name= value`), total score. The score is
     the log-probability divided by the length penalty of the output length (subwords + EOS)."""
     return f"{index} ||| {t.text} ||| log_prob= {t.log_prob:.4f} length= {len(t.tokens) + 1} ||| {t.score:.4f}"
@@ -105,3 +110,92 @@ def _get_nowait(q: queue.Queue):
         return q.get_nowait()
     except queue.Empty:
         return _EMPTY
+
+
+@dataclass
+class Source:
+    """What `mtcli translate` reads: sentences given as arguments, the lines of --input, or (both None) stdin."""
+
+    sentences: list[str] | None = None
+    lines: list[str] | None = None
+
+
+def open_source(text: list[str] | None, input_file: Path | None, output_file: Path | None, force: bool, inputs=()):
+    """The translate command's input, checked together with --output before anything is loaded: the output may not
+    be an input (the file, the run, a checkpoint in `inputs`) nor, without --force, someone's file."""
+    if text and text != ["-"] and input_file is not None:
+        raise MtcliError("give sentences or --input FILE, not both")
+    stdin = input_file is None and text in ([], None, ["-"])
+    if stdin and sys.stdin.isatty() and text != ["-"]:
+        raise MtcliError("nothing to translate: give sentences, --input FILE, or pipe text into stdin")
+    if output_file is not None:
+        check_file_target(output_file, force, [input_file, *inputs])
+    if input_file is not None:
+        return Source(lines=read_lines(input_file))
+    return Source() if stdin else Source(sentences=list(text))
+
+
+def translate_source(translator, decode: DecodeConfig, source: Source, output_file: Path | None, force: bool) -> None:
+    """Translate `source` to stdout or to `output_file`: through a temporary sibling renamed onto it only when every
+    line is written, so an error leaves an existing file as it was."""
+    if source.lines is not None:
+        chunks, total = chunked(source.lines), len(source.lines)
+    elif source.sentences is not None:
+        chunks, total = [source.sentences], 0
+    else:
+        max_chars = 1 << 26 if translator.split_long else translator.max_chars  # split: keep a long line whole
+        chunks, total = stdin_chunks(max_chars=max_chars), 0
+    if output_file is None:
+        write_translations(translator, chunks, decode, sys.stdout, total)
+        return
+    with new_file(output_file, force) as out:
+        write_translations(translator, chunks, decode, out, total)
+
+
+def read_lines(path: Path) -> list[str]:
+    """A text file's lines, checked as UTF-8 first. Only "\\n" ends a line: universal newlines would split at a lone
+    "\\r", str.splitlines at form feeds and U+2028, and either would shift every later line against its reference."""
+    path = Path(path)
+    if not path.is_file():
+        raise MtcliError(f"{path}: no such file")
+    check_utf8(path)
+    with open(path, encoding="utf-8", newline="\n") as f:
+        lines = [line.rstrip("\n").removesuffix("\r") for line in f]
+    if lines:
+        lines[0] = lines[0].removeprefix("\ufeff")  # a byte-order mark is not part of the first sentence
+    return lines
+
+
+def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
+    """Raise an error naming the file and line of the first byte sequence that is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_size):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as e:
+                # Bytes left over from the previous chunk belong to the sequence that failed.
+                line += chunk.count(b"\n", 0, max(e.start - len(e.object) + len(chunk), 0))
+                raise MtcliError(
+                    f"{path}:{line}: not valid UTF-8 ({e.reason} at byte "
+                    f"{e.object[e.start : e.end]!r}); convert the file to UTF-8, e.g. with iconv"
+                ) from None
+            line += chunk.count(b"\n")
+        try:
+            decoder.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise MtcliError(f"{path}:{line}: not valid UTF-8 (the file ends inside a character)") from None
+
+
+def has_bare_cr(path: Path, chunk_size: int = 1 << 24) -> bool:
+    """Whether the file holds a carriage return that is not part of a \\r\\n line end."""
+    with open(path, "rb") as f:
+        held = b""  # a \r at the end of a chunk: its \n may start the next one
+        while chunk := f.read(chunk_size):
+            data = held + chunk
+            held = b"\r" if data.endswith(b"\r") else b""
+            body = data[:-1] if held else data
+            if body.count(b"\r") != body.count(b"\r\n"):
+                return True
+    return bool(held)

@@ -19,9 +19,13 @@ from pathlib import Path
 
 import torch
 
+from mtcli.checkpoint import checkpoint_dir, save_checkpoint, write_json_atomic
+from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
 from mtcli.errors import MtcliError
 from mtcli.hub import hub_offline, require_hub
+from mtcli.model import Transformer
 from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
+from mtcli.tokenizer import MarianVocabTokenizer
 
 # mtcli's names inside a layer -> the HF names whose rows, concatenated, make the tensor (fused q/k/v and k/v)
 _SHARED_LAYER = {
@@ -269,7 +273,6 @@ def import_marian(source: str, out: Path, revision: str | None = None, force: bo
     """Write an mtcli run directory (config.yaml, the tokenizer, checkpoints/update_00000000 as `best`) holding the
     MarianMT model at `source`; `translate`, `eval`, `export`, `train --set train.init_from=...` take it. `out` is a
     new or empty folder (or, with `force`, an earlier import): it is written whole or not at all (mtcli.outputs)."""
-    from mtcli.tokenizer import MarianVocabTokenizer
 
     out = Path(out)
     refuse_input_overlap(out, [source] if Path(source).exists() else [], "--out")
@@ -301,8 +304,6 @@ def import_marian(source: str, out: Path, revision: str | None = None, force: bo
 
 def _import_into(work: Path, name: str, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source):
     """Fill the temporary run folder `work` (the run will be called `name`)."""
-    from mtcli.checkpoint import checkpoint_dir, save_checkpoint, write_json_atomic
-    from mtcli.model import Transformer
 
     sizes = {"vocab_size": tokenizer.src_vocab_size}
     sizes["decoder_vocab_size"] = tokenizer.tgt_vocab_size if separate else tokenizer.src_vocab_size
@@ -329,7 +330,6 @@ def read_optional_json(path: Path, root: Path) -> dict:
 def marian_run_config(hf: dict, tokenizer_config: dict, generation: dict, name: str, separate: bool):
     """The mtcli config of an imported model: its architecture, languages and beam size. The length penalty is
     mtcli's GNMT one, at 0 (none): Transformers divides scores by length ** length_penalty, a different formula."""
-    from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
 
     model = ModelConfig(
         layers=hf["encoder_layers"],

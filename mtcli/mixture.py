@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from mtcli.config import Config, DataConfig, SplitsConfig, TrainCorpusConfig
+from mtcli.corpus import SplitSource, open_splits, source_fingerprint
 
 
 def corpus_config(cfg: DataConfig, corpus: TrainCorpusConfig) -> DataConfig:
@@ -33,8 +34,6 @@ def corpus_config(cfg: DataConfig, corpus: TrainCorpusConfig) -> DataConfig:
 
 def corpora_fingerprint(cfg: DataConfig) -> list:
     """What identifies the training corpora's raw data, for the cache key (as corpus.source_fingerprint)."""
-    from mtcli.corpus import source_fingerprint
-
     return [source_fingerprint(corpus_config(cfg, c)) for c in cfg.train_corpora]
 
 
@@ -44,8 +43,6 @@ def corpus_name(corpus: TrainCorpusConfig) -> str:
 
 def open_train_corpora(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None):
     """The training corpora as one SplitSource: their pairs one corpus after the other, in the order listed."""
-    from mtcli.corpus import SplitSource, open_splits  # corpus.py opens each; it calls this for data.train_corpora
-
     parts = [open_splits(corpus_config(cfg, c), cache_dir, notes)["train"] for c in cfg.train_corpora]
     starts = np.cumsum([0] + [part.num_rows for part in parts])
 

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import html
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from html.parser import HTMLParser
 
 from mtcli.tokenizer import CJK_LANGS
 
-PUNCTUATION = tuple(",;:.!?)]}…，。；：！？、）")  # a long sentence is best cut right after one of these
 VERBATIM_TAGS = {"script", "style", "code", "pre"}  # HTML whose text is not prose to translate
 
 
@@ -132,51 +130,3 @@ def join(segments: Segments, translations: list[str], tgt_lang: str) -> str:
         last = i + 1 == len(translations)
         out.append("" if no_spaces and not last and between.strip(" ") == "" else between)
     return "".join(out)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Sentences longer than the model's positions
-
-
-def split_long(tokenizer, line: str, limit: int) -> list[str]:
-    """`line` as pieces of at most `limit` source subwords (the line itself when it fits). Each cut is at the last
-    word start in the second half of the window, right after punctuation where there is one; where neither is
-    (a long unspaced run), at the window's end."""
-    pieces = tokenizer.src.encode(line, out_type=str)
-    if len(pieces) <= limit:
-        return [line]
-    size = max(limit - 4, 2)  # margin: a piece re-encoded on its own may gain a subword at its start
-    chunks, start = [], 0
-    while len(pieces) - start > size:
-        window = range(start + size, start + size // 2, -1)  # candidate cut positions, latest first
-        after_punct = [c for c in window if pieces[c - 1].endswith(PUNCTUATION)]
-        word_start = [c for c in window if pieces[c].startswith("▁")]
-        cut = (after_punct or word_start or [start + size])[0]
-        chunks.append(pieces[start:cut])
-        start = cut
-    chunks.append(pieces[start:])
-    return [tokenizer.src.decode_pieces(chunk).strip() for chunk in chunks]
-
-
-def combine_nbest(hyp_lists: list[list], join_texts: Callable[[list[str]], str]):
-    """One n-best list for a text from its pieces' n-best lists: alternative i joins each piece's i-th hypothesis
-    (its last where it has fewer); scores and log-probabilities add up, as for one long output."""
-    from mtcli.translate import Translation  # here: mtcli.translate imports this module's callers
-
-    n = max((len(hyps) for hyps in hyp_lists), default=1)
-    combined = []
-    for i in range(n):
-        picked = [hyps[min(i, len(hyps) - 1)] for hyps in hyp_lists]
-        tokens = [t for h in picked for t in h.tokens]
-        score, log_prob = sum(h.score for h in picked), sum(h.log_prob for h in picked)
-        combined.append(Translation(join_texts([h.text for h in picked]), score, log_prob, tokens))
-    return combined
-
-
-def translate_long_lines(translator, lines: list[str], decode, progress=False) -> list:
-    """Translator.translate_nbest with split_long: lines over the positions are cut (split_long), all pieces
-    translated as one list, and each line's translations joined with a space (nothing for Chinese or Japanese)."""
-    cut = [split_long(translator.tokenizer, line, translator.max_src_tokens) for line in lines]
-    hyps = iter(translator.translate_lines([p for pieces in cut for p in pieces], decode, progress))
-    sep = "" if translator.config.data.tgt_lang.lower() in CJK_LANGS else " "
-    return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]

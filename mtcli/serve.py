@@ -26,7 +26,7 @@ from pathlib import Path
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.segment import Segments, combine_nbest, join, split_html, split_long, split_text
+from mtcli.segment import Segments, join, split_html, split_text
 from mtcli.serve_requests import (
     NATIVE_FIELDS,
     NATIVE_OPTIONS,
@@ -45,6 +45,7 @@ from mtcli.serve_requests import (
 )
 from mtcli.serve_worker import Dropped, Metrics, QueueFull, Worker
 from mtcli.tokenizer import CJK_LANGS
+from mtcli.translate import combine_nbest, split_long
 
 try:
     import sentencex  # noqa: F401 - mtcli.segment imports it where it cuts sentences
@@ -70,9 +71,6 @@ class Server:
     """The routes, over one Translator and its model worker."""
 
     def __init__(self, translator, decode: DecodeConfig, limits: ServeLimits):
-        # Sentences longer than the positions are cut here (translate_texts), before they are queued, so that the
-        # worker counts and batches what the model will read
-        translator.split_long = False
         # no beam (or alternatives + 1) wider than the target vocabulary: the search keeps that many best tokens
         limits = replace(limits, max_beam=min(limits.max_beam, translator.tokenizer.tgt_vocab_size))
         self.translator, self.decode, self.limits = translator, decode, limits

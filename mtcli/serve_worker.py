@@ -278,7 +278,7 @@ class Worker:
     def _translate_parts(self, parts: list[tuple[Job, int, int]], decode: DecodeConfig) -> None:
         sentences = [s for job, start, end in parts for s in job.sentences[start:end]]
         start_time = time.perf_counter()
-        hyps = self.translator.translate_nbest(sentences, decode)
+        hyps = self.translator.translate_nbest(sentences, decode)  # long sentences were cut before they were queued
         seconds = time.perf_counter() - start_time
         self.metrics.batch(len(sentences), seconds)
         rate = len(sentences) / max(seconds, 1e-6)

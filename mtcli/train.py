@@ -37,6 +37,7 @@ from mtcli.batching import (
 )
 from mtcli.checkpoint import TrainState
 from mtcli.config import Config, TrainConfig
+from mtcli.config_loader import replaced
 from mtcli.data import EncodedSplit, PreparedData, SampledSplit
 from mtcli.device import DTYPES, choose_precision, precision_name
 from mtcli.distributed import Dist, StopSignal, prepare_once
@@ -48,7 +49,6 @@ from mtcli.mixture import epoch_examples
 from mtcli.model import Transformer
 from mtcli.rundir import open_run_dir, torchrun_restart
 from mtcli.tokenizer import Specials
-from mtcli.translate import resolve_member
 from mtcli.update import Trainer, train_step
 
 
@@ -166,11 +166,11 @@ def fine_tuning_config(cfg: Config) -> Config:
     its tokenizer (data.tokenizer, unless set), so fine-tuning keeps the vocabulary; `cfg` as it is otherwise."""
     if not cfg.train.init_from:
         return cfg
-    start = resolve_member(cfg.train.init_from)
+    start = ckpt.resolve_member(cfg.train.init_from)
     changes = {"model": ckpt.read_config(start).to_dict()["model"]}
     if not cfg.data.tokenizer:
         changes["data.tokenizer"] = str(start)
-    return cfg.replace(**changes)
+    return replaced(cfg, **changes)
 
 
 def plain_run_name(name: str) -> str:
@@ -196,7 +196,7 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
     ).to(device)
     logger.info(f"model: {model.num_parameters():,} parameters ({model.describe()})")
     if tc.init_from and not resume:
-        start = resolve_member(tc.init_from)
+        start = ckpt.resolve_member(tc.init_from)
         ckpt.load_weights(model, start)
         logger.info(f"fine-tuning: weights from {start}, a fresh optimizer")
     precision, why = choose_precision(tc.precision, device, cfg.model.d_model, cfg.model.d_ff)

@@ -1,5 +1,5 @@
-"""Translating text with a trained model: which checkpoint, batching, truncation, search, detokenization, original
-order; and the line-oriented input and output of `mtcli translate` (stdin streaming, n-best lines).
+"""Translating text with a trained model: batching, truncation or splitting of long lines, search, detokenization,
+original order.
 
 `Translator` is what `mtcli translate`, `mtcli eval`, validation during training and the Python API all use, so a
 score computed while training and one computed afterwards come from the same code:
@@ -10,9 +10,7 @@ score computed while training and one computed afterwards come from the same cod
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterable
-from copy import deepcopy
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -20,16 +18,19 @@ import numpy as np
 import torch
 
 from mtcli.batching import collate, token_budget_batches
-from mtcli.checkpoint import best_checkpoint, checkpoint_dir, last_checkpoint, load_model, read_tokenizer
+from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
-from mtcli.device import choose_precision, resolve_device
+from mtcli.config_loader import replaced, with_overrides
+from mtcli.device import resolve_device
 from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
+from mtcli.inference import inference_model, translation_precision
 from mtcli.log import logger, progress_bar
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
-from mtcli.tokenizer import Tokenizer
+from mtcli.tokenizer import CJK_LANGS, Tokenizer
 
 DECODE_OPTIONS = {f.name for f in fields(DecodeConfig)}
+PUNCTUATION = tuple(",;:.!?)]}…，。；：！？、）")  # a long sentence is best cut right after one of these
 
 
 @dataclass
@@ -41,131 +42,22 @@ class Translation:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Which checkpoint
-
-
-def find_run(runs_root: Path = Path("runs")) -> Path:
-    """The most recently trained run under ./runs (the one whose newest checkpoint is newest)."""
-    candidates = []
-    if runs_root.is_dir():
-        for run in runs_root.iterdir():
-            ckpt = last_checkpoint(run)
-            if ckpt is not None:
-                candidates.append((ckpt.stat().st_mtime, str(run)))
-    if not candidates:
-        raise MtcliError(
-            f"no trained run found under {runs_root}/; train one (mtcli train --config toy.yaml) "
-            "or pass --run DIR or --checkpoint PATH"
-        )
-    return Path(max(candidates)[1])
-
-
-def resolve_checkpoint(run: Path | str | None = None, checkpoint: Path | str | None = None) -> Path:
-    """--checkpoint as given; else the best (or, before any validation, the newest) checkpoint of --run or of the
-    latest run under ./runs. What was picked by default is said on the log."""
-    if checkpoint is not None:
-        return Path(checkpoint)
-    latest = run is None
-    run = find_run() if latest else Path(run)
-    if not run.is_dir():
-        raise MtcliError(f"--run {run}: no such run directory")
-    best = best_checkpoint(run)
-    ckpt = best or last_checkpoint(run)
-    if ckpt is None:
-        raise MtcliError(f"run {run} has no checkpoint yet; train it first (mtcli train ... --run-dir {run})")
-    which = "best by validation" if best else "newest; no validation yet"
-    logger.info(f"checkpoint: {ckpt} ({which}{', latest run under ./runs' if latest else ''})")
-    return ckpt
-
-
-def resolve_member(path: Path | str) -> Path:
-    """An ensemble member given as a run directory (its best checkpoint) or as a checkpoint folder."""
-    path = Path(path)
-    return resolve_checkpoint(path) if checkpoint_dir(path).is_dir() else path
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The translator
 
 
-class PackedLinear(torch.nn.Module):
-    """nn.Linear for inference on a CPU, its weight reordered once into oneDNN's blocked layout. In bf16, F.linear
-    reorders the weight on every call, which at decoding sizes (5-320 rows) costs as much as the product: packed,
-    a beam-5 step's projections run 1.6-2x faster, with identical results. In fp32, F.linear runs on MKL, whose
-    products on an AMD EPYC (Zen 5) reached 130-165 GFLOP/s against oneDNN's 355-385 at decoding shapes (320 x 256
-    @ 256 x 768..8000, 2 threads); results differ from MKL's by float rounding (~2e-6). It uses torch's private
-    mkldnn ops, as torch.compile's CPU backend does; where they are missing, `pack_linears` leaves the layers as
-    they are."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear of a bf16 or fp32 CPU model replaced by a PackedLinear, if this torch has the ops and they
-    agree with F.linear on a probe (bf16: exactly; fp32: to float rounding); else the model unchanged."""
-    dtype = next(model.parameters()).dtype
-    try:
-        with torch.random.fork_rng(devices=[]):  # the probe's random weights must not shift training's dropout
-            probe = torch.nn.Linear(64, 96).to(dtype)
-            x = torch.randn(5, 64).to(dtype)
-        packed, plain = PackedLinear(probe)(x), probe(x)
-        if not (torch.equal(packed, plain) if dtype == torch.bfloat16 else torch.allclose(packed, plain, atol=1e-5)):
-            return model
-    except (AttributeError, RuntimeError):
-        return model
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
-    return model
-
-
-def inference_model(model: torch.nn.Module, precision: str, copy: bool = False) -> torch.nn.Module:
-    """The model as translation runs it in `precision`: fp32 (on a CPU, linear layers packed for oneDNN); bf16
-    weights (so the attention is bf16 too; scores are accumulated in fp32 by the search); int8: the linear layers
-    dynamically quantized (int8 weights, activations quantized per call). copy=True leaves `model` untouched
-    (validation during training translates with a converted copy)."""
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    if precision == "fp32":  # packed for oneDNN on a CPU, except for a copy (validation: not worth a copy)
-        return pack_linears(model) if on_cpu and not copy else model
-    if precision == "bf16":
-        model = (deepcopy(model) if copy else model).to(torch.bfloat16)
-        return pack_linears(model) if on_cpu else model
-    if precision == "int8":
-        with warnings.catch_warnings():  # torch.ao.quantization warns that it is deprecated; it is what torch has
-            warnings.simplefilter("ignore")
-            try:
-                from torch.ao.quantization import quantize_dynamic
-
-                return quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8, inplace=not copy)
-            except (ImportError, AttributeError, RuntimeError) as e:
-                raise MtcliError(f"int8 translation is not available with this torch ({e}); use bf16 or fp32") from None
-    raise MtcliError(f"unknown translation precision `{precision}` (auto, fp32, bf16 or int8)")
-
-
-_logged_decisions: set[str] = set()
-
-
-def translation_precision(precision: str, model_config, device: torch.device) -> str:
-    """`auto` resolved for this device and model (device.choose_precision); the decision is logged once."""
-    name, why = choose_precision(precision, device, model_config.d_model, model_config.d_ff, training=False)
-    message = f"translation precision: {name} ({why})"
-    if precision == "auto" and message not in _logged_decisions:
-        _logged_decisions.add(message)
-        logger.info(message)
-    return name
-
-
 class Translator:
-    def __init__(self, model, tokenizer: Tokenizer, config: Config, device: torch.device, precision: str = "fp32"):
-        """`model` already in `precision` (see inference_model); from_checkpoint / from_run do that."""
+    def __init__(
+        self,
+        model,
+        tokenizer: Tokenizer,
+        config: Config,
+        device: torch.device,
+        precision: str = "fp32",
+        split_long: bool = False,
+    ):
+        """`model` already in `precision` (see inference_model); from_checkpoint / from_run do that. split_long:
+        lines longer than the positions are cut into pieces that fit and their translations joined (`mtcli
+        translate --split-long`), instead of truncated with a warning."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         self.precision = precision
         self.max_src_tokens = config.model.max_positions - 1  # room for EOS
@@ -175,9 +67,7 @@ class Translator:
         self.generator: torch.Generator | None = None
         self.checkpoint: Path | None = None  # where the weights came from, when loaded from a checkpoint
         self.ensemble: list[Path] = []  # the other members' checkpoints, when it translates as an ensemble
-        # Lines longer than the positions: cut into pieces that fit and their translations joined (mtcli.segment;
-        # `mtcli serve`, `mtcli translate --split-long`), instead of truncated with a warning
-        self.split_long = False
+        self.split_long = split_long
 
     @classmethod
     def from_checkpoint(
@@ -186,6 +76,7 @@ class Translator:
         device: str = "auto",
         precision: str | None = None,
         ensemble: Iterable[Path | str] = (),
+        split_long: bool = False,
     ) -> Translator:
         """precision: auto, fp32, bf16 or int8; default the checkpoint's decode.precision. `ensemble`: more
         checkpoint folders or run directories (their best checkpoint) with the same SentencePiece model(s); their
@@ -207,8 +98,8 @@ class Translator:
             member, member_config, _ = load_model(other, dev)
             members.append(inference_model(member, name))
             if member_config.model.max_positions < config.model.max_positions:  # the shortest limit holds for all
-                config = config.replace(**{"model.max_positions": member_config.model.max_positions})
-        translator = cls(Ensemble(members) if len(members) > 1 else model, tokenizer, config, dev, name)
+                config = replaced(config, **{"model.max_positions": member_config.model.max_positions})
+        translator = cls(Ensemble(members) if len(members) > 1 else model, tokenizer, config, dev, name, split_long)
         translator.checkpoint = Path(checkpoint)
         translator.ensemble = others
         return translator
@@ -221,10 +112,11 @@ class Translator:
         device: str = "auto",
         precision: str | None = None,
         ensemble: Iterable[Path | str] = (),
+        split_long: bool = False,
     ) -> Translator:
-        """A run's best checkpoint (or `checkpoint`); without either, the latest run under ./runs. `ensemble`: as
-        in from_checkpoint."""
-        return cls.from_checkpoint(resolve_checkpoint(run, checkpoint), device, precision, ensemble)
+        """A run's best checkpoint (or `checkpoint`); without either, the latest run under ./runs. The rest as in
+        from_checkpoint."""
+        return cls.from_checkpoint(resolve_checkpoint(run, checkpoint), device, precision, ensemble, split_long)
 
     def decode_config(self, decode: DecodeConfig | None = None, **options) -> DecodeConfig:
         """The run's decode section (or `decode`) with options such as beam=5 applied and checked. The precision is
@@ -248,8 +140,6 @@ class Translator:
         outputs; lines longer than the model's positions are truncated, with one warning (split, with split_long)."""
         decode = self.decode_config(decode, **options)
         if self.split_long:
-            from mtcli.segment import translate_long_lines  # mtcli.segment builds on this module
-
             return translate_long_lines(self, lines, decode, progress)
         return self.translate_lines(lines, decode, progress)
 
@@ -302,6 +192,69 @@ class Translator:
             hyps = beam_search(*args, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram)
         texts = iter(self.tokenizer.decode_tgt([h.tokens for sentence in hyps for h in sentence]))
         return [[Translation(next(texts), h.score, h.log_prob, h.tokens) for h in sentence] for sentence in hyps]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Sentences longer than the model's positions: cut where a sentence is best cut, translated, joined back
+
+
+def split_long(tokenizer, line: str, limit: int) -> list[str]:
+    """`line` as pieces of at most `limit` source subwords (the line itself when it fits). Each cut is at the last
+    word start in the second half of the window, right after punctuation where there is one; where neither is
+    (a long unspaced run), at the window's end."""
+    pieces = tokenizer.src.encode(line, out_type=str)
+    if len(pieces) <= limit:
+        return [line]
+    size = max(limit - 4, 2)  # margin: a piece re-encoded on its own may gain a subword at its start
+    chunks, start = [], 0
+    while len(pieces) - start > size:
+        window = range(start + size, start + size // 2, -1)  # candidate cut positions, latest first
+        after_punct = [c for c in window if pieces[c - 1].endswith(PUNCTUATION)]
+        word_start = [c for c in window if pieces[c].startswith("▁")]
+        cut = (after_punct or word_start or [start + size])[0]
+        chunks.append(pieces[start:cut])
+        start = cut
+    chunks.append(pieces[start:])
+    return [tokenizer.src.decode_pieces(chunk).strip() for chunk in chunks]
+
+
+def combine_nbest(hyp_lists: list[list], join_texts: Callable[[list[str]], str]):
+    """One n-best list for a text from its pieces' n-best lists: alternative i joins each piece's i-th hypothesis
+    (its last where it has fewer); scores and log-probabilities add up, as for one long output."""
+    n = max((len(hyps) for hyps in hyp_lists), default=1)
+    combined = []
+    for i in range(n):
+        picked = [hyps[min(i, len(hyps) - 1)] for hyps in hyp_lists]
+        tokens = [t for h in picked for t in h.tokens]
+        score, log_prob = sum(h.score for h in picked), sum(h.log_prob for h in picked)
+        combined.append(Translation(join_texts([h.text for h in picked]), score, log_prob, tokens))
+    return combined
+
+
+def translate_long_lines(translator, lines: list[str], decode, progress=False) -> list:
+    """Translator.translate_nbest with split_long: lines over the positions are cut (split_long), all pieces
+    translated as one list, and each line's translations joined with a space (nothing for Chinese or Japanese)."""
+    cut = [split_long(translator.tokenizer, line, translator.max_src_tokens) for line in lines]
+    hyps = iter(translator.translate_lines([p for pieces in cut for p in pieces], decode, progress))
+    sep = "" if translator.config.data.tgt_lang.lower() in CJK_LANGS else " "
+    return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]
+
+
+def load_translator(
+    checkpoint: Path,
+    config: Config,
+    overrides: list[str] | tuple[str, ...] = (),
+    device: str = "auto",
+    ensemble: Iterable[Path | str] = (),
+    split_long: bool = False,
+    **options,
+) -> tuple[Translator, DecodeConfig]:
+    """What `translate`, `eval` and `serve` do before translating: `config` (the checkpoint's own, or eval's with a
+    run's data) with `--set decode.KEY=VALUE` overrides, the decode settings with the command line's options (None
+    = keep), and the Translator in the precision they name. Returns the translator and its decode settings."""
+    decode = decode_settings(with_overrides(config, overrides, ("decode",)).decode, **options)
+    translator = Translator.from_checkpoint(checkpoint, device, decode.precision, ensemble, split_long)
+    return translator, translator.decode_config(decode)
 
 
 def decode_settings(decode: DecodeConfig, **options) -> DecodeConfig:

@@ -88,8 +88,24 @@ def train_toy(run: Path, cache: Path, settings: dict | None = None) -> Path:
 
 
 @pytest.fixture(scope="session")
-def toy_run(tmp_path_factory):
+def toy_cache(tmp_path_factory) -> Path:
+    """The data cache of every test that trains on the toy corpus: runs with toy.yaml's data settings find the corpus
+    prepared (SentencePiece fitted, splits encoded) by the first of them. Caches are keyed by a hash of the data
+    settings, so a run with other settings (another vocabulary) prepares its own folder beside it. Tests of cache
+    building itself keep their own folder."""
+    return tmp_path_factory.mktemp("toy-cache")
+
+
+@pytest.fixture(scope="session")
+def corpus_cache(tmp_path_factory) -> Path:
+    """The data cache of the tests that prepare the shared real corpora: each corpus, at its recipe's settings, is
+    fitted and encoded once per session (tens of seconds each) rather than once per test."""
+    return tmp_path_factory.mktemp("corpus-cache")
+
+
+@pytest.fixture(scope="session")
+def toy_run(tmp_path_factory, toy_cache):
     """The toy config, shortened: about half a minute on 2 cores. Runs in ./runs/toy of a scratch folder."""
     home = tmp_path_factory.mktemp("toy")
     settings = {"train.max_updates": 300, "train.valid_every": 150, "train.keep_last": 3}
-    return train_toy(home / "runs" / "toy", home / "cache", settings)
+    return train_toy(home / "runs" / "toy", toy_cache, settings)

@@ -1,6 +1,7 @@
 """End to end through the command line: train the toy model, translate, evaluate, average; help and errors."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+import typer
 from conftest import tiny_pairs
 from typer.testing import CliRunner
 
@@ -25,10 +27,15 @@ def invoke(*args, input=None):
 
 
 def test_help_lists_every_command_and_each_shows_an_example():
-    result = invoke("--help")
-    for command in ("data", "train", "translate", "eval", "average", "export", "attention"):
-        assert command in result.output
-    for command in (["data", "prepare"], ["train"], ["translate"], ["eval"], ["average"], ["export"], ["attention"]):
+    group = typer.main.get_command(app)
+    commands = [[name] for name in group.commands if name != "data"] + [
+        ["data", name] for name in group.commands["data"].commands
+    ]
+    documented = {"train", "translate", "eval", "average", "export", "import", "attention", "serve"}
+    assert documented <= {c[0] for c in commands} and ["data", "prepare"] in commands  # none lost
+    listed = invoke("--help").output
+    for command in commands:
+        assert re.search(rf"^\W*{command[0]}\b", listed, re.M), command  # a line of its own in the command list
         assert "Example:" in invoke(*command, "--help").output, command
 
 
@@ -198,6 +205,22 @@ def test_no_repeat_ngram_applies_to_beam_one(toy_run):
     repeats = lambda hyps: sum(len(set(h[0].tokens)) < len(h[0].tokens) for h in hyps)  # noqa: E731
     assert repeats(translator.translate_nbest(sources, greedy)) > 0  # the toy outputs do repeat subwords (妈妈)
     assert repeats(translator.translate_nbest(sources, replace(greedy, no_repeat_ngram=1))) == 0
+
+
+@pytest.mark.slow
+def test_sampling_through_the_command_is_seeded_by_the_run_and_top_k_one_is_greedy(toy_run):
+    """--sampling draws from one stream seeded by the run's train.seed, so the same command prints the same lines; it
+    does sample (one sentence repeated comes out in several ways at a high temperature); --top-k 1 leaves only the
+    most likely token at each step, which is greedy search whatever the temperature."""
+    lines = ["I love apples"] * 8 + ["She really likes green apples", "Do you like tea?"]
+    base = ["translate", "--run", toy_run, *lines]
+    hot = invoke(*base, "--sampling", "--temperature", "3").stdout
+    assert invoke(*base, "--sampling", "--temperature", "3").stdout == hot
+    assert len(hot.splitlines()) == len(lines) and len(set(hot.splitlines()[:8])) > 1
+    greedy = invoke(*base, "--beam", "1").stdout
+    assert greedy.splitlines()[0] == "我喜欢苹果"
+    assert invoke(*base, "--sampling", "--temperature", "3", "--top-k", "1").stdout == greedy
+    assert invoke(*base, "--sampling", "--top-k", "1", "--beam", "4").stdout == greedy  # sampling, not the beam
 
 
 def test_version_and_conflicting_inputs(tmp_path):

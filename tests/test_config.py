@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from mtcli.config import SHIPPED_CONFIGS, ConfigError, ModelConfig, TrainConfig
-from mtcli.config_loader import config_from_dict, load_config, resolve_config_path, shipped_config_names
+from mtcli.config_loader import config_from_dict, load_config, replaced, resolve_config_path, shipped_config_names
 from mtcli.errors import MtcliError
 
 SHIPPED = shipped_config_names()
@@ -197,11 +197,11 @@ def test_round_trip_keeps_non_default_values(tmp_path):
 
 def test_replace_sets_dotted_keys_and_checks_them():
     cfg = load_config("toy.yaml")
-    changed = cfg.replace(**{"train.seed": 3, "model.layers": 4})
+    changed = replaced(cfg, **{"train.seed": 3, "model.layers": 4})
     assert changed.train.seed == 3 and changed.model.layers == 4 and cfg.train.seed == 1
     assert dataclasses.replace(changed.train, seed=1) == cfg.train
     with pytest.raises(ConfigError, match="model.heads"):
-        cfg.replace(**{"model.heads": 5})
+        replaced(cfg, **{"model.heads": 5})
 
 
 def test_base_yaml_is_transformer_base():

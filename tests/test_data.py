@@ -18,9 +18,10 @@ from conftest import tiny_pairs
 import mtcli.data
 from mtcli.batching import epoch_batches, padding_counts
 from mtcli.config_loader import load_config
-from mtcli.corpus import check_utf8, has_bare_cr, split_names
+from mtcli.corpus import split_names
 from mtcli.data import clean, eval_texts, prepare
 from mtcli.errors import MtcliError
+from mtcli.line_io import check_utf8, has_bare_cr
 from mtcli.toy import REQUIRED_TRAIN_PAIR, toy_pairs, write_toy_corpus
 
 SPLITS = {"train": "train", "valid": "valid", "test": "test"}
@@ -639,9 +640,10 @@ def test_subword_sampling_resegments_the_same_pairs_reproducibly(tmp_path, tiny_
 
 
 @pytest.mark.slow
-def test_multi30k_local_files(shared_data, tmp_path, log):
+def test_multi30k_local_files(shared_data, corpus_cache, log):
+    """The recipe's data settings, so test_recipes trains on this cache (or this test finds the one it made)."""
     folder = shared_data / "multi30k"
-    overrides = [f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=2000"]
+    overrides = [f"data.path={folder}", f"data.cache_dir={corpus_cache}"]
     cfg = load_config("multi30k.yaml", overrides)
     data = prepare(cfg)
     splits = data.meta["splits"]
@@ -669,19 +671,17 @@ def test_multi30k_local_files(shared_data, tmp_path, log):
 
 
 @pytest.mark.slow
-def test_tatoeba_local_files_without_test_split(shared_data, tmp_path, log):
+def test_tatoeba_local_files_without_test_split(shared_data, corpus_cache):
+    """The recipe's data settings, shared with test_recipes. The corpus has no test files: the split is skipped when
+    prepared (the note itself: test_missing_eval_split_is_skipped_with_a_note), and asking for it later says so."""
     folder = shared_data / "tatoeba-zh-en"
-    overrides = [
-        f"data.path={folder}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "data.vocab_size=4000",  # the corpus has over 2,300 distinct Chinese characters
-        "data.splits.valid=valid",
-    ]
-    log.clear()
-    data = prepare(load_config("opus100-en-zh.yaml", overrides))
+    cfg = load_config("tatoeba-en-zh.yaml", [f"data.path={folder}", f"data.cache_dir={corpus_cache}"])
+    assert cfg.data.splits.test == "test"  # named, but not in the folder
+    data = prepare(cfg)
     assert data.roles == ["train", "valid"]
     assert data.meta["splits"]["train"]["total"] == 27_054 and data.meta["splits"]["valid"]["kept"] == 1_000
-    assert any("skipping" in line and "test" in line for line in log)
+    with pytest.raises(MtcliError, match="no test split"):
+        eval_texts(cfg, "test")
     valid = data.split("valid")
     references = (folder / "valid.zh").read_text(encoding="utf-8").splitlines()
     assert valid.texts()[1] == [clean(x) for x in references]

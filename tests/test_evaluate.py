@@ -15,14 +15,8 @@ from conftest import invoke, tiny_pairs
 from mtcli.compare import format_comparison, paired_tests
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
-from mtcli.evaluate import (
-    ScoreOptions,
-    corpus_scores,
-    evaluation_set,
-    parse_metrics,
-    sacrebleu_flags,
-    sentence_scores,
-)
+from mtcli.evaluate import evaluation_set
+from mtcli.scoring import ScoreOptions, corpus_scores, parse_metrics, sacrebleu_flags, sentence_scores
 from mtcli.translate import Translator
 
 

@@ -14,19 +14,19 @@ from mtcli.checkpoint import best_checkpoint
 from mtcli.config import ModelConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
-from mtcli.evaluate import score
 from mtcli.model import Transformer
+from mtcli.scoring import score
 from mtcli.tokenizer import Tokenizer
 from mtcli.translate import Translator
 
 pytestmark = pytest.mark.slow
 
 
-def _train_post_norm(home, **extra):
+def _train_post_norm(home, cache, **extra):
     """The toy corpus with a small post-norm model: the MarianMT side of the Hugging Face export."""
     run = home / "run"
     sets = {
-        "data.cache_dir": home / "cache",
+        "data.cache_dir": cache,
         "model.norm": "post",
         "model.layers": 2,
         "model.d_model": 64,
@@ -43,20 +43,20 @@ def _train_post_norm(home, **extra):
 
 
 @pytest.fixture(scope="module")
-def post_norm_run(tmp_path_factory):
-    return _train_post_norm(tmp_path_factory.mktemp("post"))
+def post_norm_run(tmp_path_factory, toy_cache):
+    return _train_post_norm(tmp_path_factory.mktemp("post"), toy_cache)
 
 
 @pytest.fixture(scope="module")
-def separate_vocab_run(tmp_path_factory):
+def separate_vocab_run(tmp_path_factory, toy_cache):
     """Post-norm with a SentencePiece model per side: separate embeddings, the target one tied to the output."""
-    return _train_post_norm(tmp_path_factory.mktemp("separate"), **{"data.joint_vocab": "false"})
+    return _train_post_norm(tmp_path_factory.mktemp("separate"), toy_cache, **{"data.joint_vocab": "false"})
 
 
 @pytest.fixture(scope="module")
-def untied_run(tmp_path_factory):
+def untied_run(tmp_path_factory, toy_cache):
     """Post-norm, joint vocabulary, three separate matrices: source and target embeddings and the output layer."""
-    return _train_post_norm(tmp_path_factory.mktemp("untied"), **{"model.tie_embeddings": "false"})
+    return _train_post_norm(tmp_path_factory.mktemp("untied"), toy_cache, **{"model.tie_embeddings": "false"})
 
 
 @pytest.fixture(params=["pre", "post", "post-separate", "post-untied"])

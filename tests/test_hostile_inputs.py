@@ -27,8 +27,9 @@ import mtcli.checkpoint as ckpt
 from mtcli.config import Config, ConfigError, DataConfig, DecodeConfig, ModelConfig
 from mtcli.config_loader import MAX_ALIAS_EXPANSION, load_config
 from mtcli.errors import MtcliError
-from mtcli.evaluate import ScoreOptions, corpus_scores, evaluation_set
+from mtcli.evaluate import evaluation_set
 from mtcli.model import Transformer
+from mtcli.scoring import ScoreOptions, corpus_scores
 from mtcli.search import max_output_lengths
 from mtcli.tokenizer import Tokenizer, train_sentencepiece
 from mtcli.translate import Translator, decode_settings

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import WORDS_DE, WORDS_EN, invoke, losses, tiny_pairs
+from typer.testing import CliRunner
 
 from mtcli.checkpoint import best_checkpoint, list_checkpoints, load_model
 from mtcli.translate import Translator
@@ -175,6 +176,33 @@ def test_greedy_and_beam_equal_transformers_generate(imported):
                 if ended[i] or beam == 1:  # greedy decides token by token: equal even at the limit
                     assert ours[i][0].tokens == theirs[i], f"beam {beam}, sentence {i}"
                     assert ours[i][0].text == texts[i]
+
+
+def test_eval_takes_a_checkpoint_with_another_run_of_its_vocabulary_and_refuses_another(imported, tmp_path):
+    """`eval --run A --checkpoint B` compares the tokenizers themselves: an imported run (vocab.json, one
+    SentencePiece model per side) of the same vocabulary is taken, one whose vocabulary differs is refused."""
+    import shutil
+
+    from mtcli.cli import app
+    from mtcli.errors import MtcliError
+
+    home, _, _ = imported
+    checkpoint = best_checkpoint(home / "run")
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(home / "run", same)
+    shutil.copytree(home / "run", other)
+    vocab = json.loads((other / "vocab.json").read_text(encoding="utf-8"))
+    pieces = sorted(vocab, key=vocab.get)
+    vocab[pieces[-1]], vocab[pieces[-2]] = vocab[pieces[-2]], vocab[pieces[-1]]  # two ids swapped
+    (other / "vocab.json").write_text(json.dumps(vocab), encoding="utf-8")
+    text = tmp_path / "text.en"
+    text.write_text("the cat sees a dog\na man runs\n", encoding="utf-8")
+    files = ["--src", text, "--ref", text, "--metrics", "bleu", "--json"]
+    result = json.loads(invoke("eval", "--run", same, "--checkpoint", checkpoint, *files).stdout)
+    assert result["checkpoint"] == str(checkpoint)
+    with pytest.raises(MtcliError, match="another vocabulary"):
+        CliRunner().invoke(app, ["eval", "--run", str(other), "--checkpoint", str(checkpoint), *map(str, files)],
+                           catch_exceptions=False)  # fmt: skip
 
 
 def test_export_back_to_transformers_and_ctranslate2(imported, tmp_path, monkeypatch):

@@ -10,9 +10,9 @@ from mtcli import device
 from mtcli.config import ModelConfig
 from mtcli.device import choose_precision
 from mtcli.errors import MtcliError
+from mtcli.inference import inference_model
 from mtcli.model import Transformer
 from mtcli.search import beam_search, greedy_search, max_output_lengths
-from mtcli.translate import inference_model
 
 CPU = torch.device("cpu")
 
@@ -134,7 +134,7 @@ def test_fp32_translation_packs_linear_layers_and_keeps_the_outputs(copy_model):
     packed."""
     from copy import deepcopy
 
-    from mtcli.translate import PackedLinear
+    from mtcli.inference import PackedLinear
 
     assert inference_model(copy_model, "fp32", copy=True) is copy_model
     packed = inference_model(deepcopy(copy_model), "fp32")
@@ -145,13 +145,13 @@ def test_fp32_translation_packs_linear_layers_and_keeps_the_outputs(copy_model):
 
 
 @pytest.mark.slow
-def test_bf16_training_of_the_toy_model_reaches_the_smoke_threshold(tmp_path):
+def test_bf16_training_of_the_toy_model_reaches_the_smoke_threshold(tmp_path, toy_cache):
     """make smoke's bar (test BLEU >= 80 after toy.yaml's 600 updates), trained in bf16 autocast."""
     if device.cpu_bf16_units() is None:
         pytest.skip("this CPU has no bf16 matrix units: bf16 training would take ~100x longer than fp32")
     from conftest import invoke, train_toy
 
-    run = train_toy(tmp_path / "run", tmp_path / "cache", {"train.precision": "bf16"})
+    run = train_toy(tmp_path / "run", toy_cache, {"train.precision": "bf16"})
     assert "precision: bf16 (as set)" in (run / "train.log").read_text()
     result = json.loads(invoke("eval", "--run", run, "--json").stdout)
     assert result["bleu"] >= 80, result["bleu"]

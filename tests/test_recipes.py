@@ -48,11 +48,12 @@ def test_the_fine_tuning_config_asks_for_its_data_and_starts_from_a_checkpoint()
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_cpu_recipes_train_as_shipped_on_their_corpus(name, shared_data, tmp_path):
-    """The recipe itself (model, schedule, precision auto, validation), only shortened to a few updates."""
+def test_cpu_recipes_train_as_shipped_on_their_corpus(name, shared_data, corpus_cache, tmp_path):
+    """The recipe itself (model, schedule, precision auto, validation), only shortened to a few updates. The corpus is
+    prepared at the recipe's data settings, as test_data prepares it: one SentencePiece fit per corpus and session."""
     overrides = [
         f"data.path={shared_data / RECIPES[name]}",
-        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.cache_dir={corpus_cache}",
         "train.max_updates=3",
         "train.valid_every=3",
         "train.valid_max_sentences=8",
@@ -66,9 +67,10 @@ def test_cpu_recipes_train_as_shipped_on_their_corpus(name, shared_data, tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["base.yaml", "opus100-en-zh.yaml"])
-def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path):
+def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path, toy_cache):
     """Their full-size models on a CPU: the toy corpus and small batches stand in for WMT and OPUS. (big.yaml differs
-    from base.yaml only in sizes and dropout, and its 214M parameters would cost CI a minute for nothing new.)"""
+    from base.yaml only in sizes and dropout, and its 214M parameters would cost CI a minute for nothing new.) The data
+    settings are toy.yaml's, so the toy corpus prepared for the other tests is found in the shared cache."""
     overrides = [
         "data.dataset=toy",
         "data.path=null",
@@ -81,7 +83,8 @@ def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path):
         "data.max_ratio=0",
         "data.splits={train: train, valid: valid, test: test}",
         "data.hub_splits=null",
-        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.spm_sample=1000000",
+        f"data.cache_dir={toy_cache}",
         "train.max_tokens=256",
         "train.tokens_per_update=0",
         "train.precision=fp32",

@@ -17,9 +17,10 @@ import pytest
 from conftest import invoke
 from faults_serve import Server
 
-from mtcli.segment import join, split_html, split_long, split_text
+from mtcli.segment import join, split_html, split_text
 from mtcli.tokenizer import Tokenizer
 from mtcli.toy import toy_pairs
+from mtcli.translate import split_long
 
 LIBRE = {"source": "en", "target": "zh", "format": "text"}
 SENTENCES = [en for en, _ in toy_pairs()["test"][:40]]

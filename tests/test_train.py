@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import losses
+from conftest import invoke, losses
 
 from mtcli import checkpoint as ckpt
 from mtcli.average import average_checkpoints
 from mtcli.batching import epoch_batches
 from mtcli.config import TrainConfig
-from mtcli.config_loader import load_config
+from mtcli.config_loader import load_config, replaced
 from mtcli.data import prepare
 from mtcli.errors import MtcliError
 from mtcli.loss import LossModel, projection_cross_entropy, symmetric_kl
@@ -49,10 +50,11 @@ def tiny_config(cache_dir, **overrides):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("cache")
-    prepare(tiny_config(folder))
-    return folder
+def cache_dir(toy_cache):
+    """The session's toy data cache (tiny_config changes only the model and training), prepared here before the DDP and
+    subprocess tests read it from several processes at once."""
+    prepare(tiny_config(toy_cache))
+    return toy_cache
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ def test_training_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(cache
     moved = tmp_path / "moved-cache"
     cache_dir.rename(moved)  # where the data cache lives is not part of what a resume must match
     try:
-        assert train(own.replace(**{"data.cache_dir": str(moved)}), tmp_path / "run", resume=True).update == 2
+        assert train(replaced(own, **{"data.cache_dir": str(moved)}), tmp_path / "run", resume=True).update == 2
     finally:
         moved.rename(cache_dir)
 
@@ -492,3 +494,87 @@ def test_max_epochs_ends_with_a_validated_checkpoint(cache_dir, tmp_path):
     assert result.stopped_by == "max_epochs" and 5 < result.update < 20
     assert ckpt.last_checkpoint(tmp_path / "run").name == f"update_{result.update:08d}"
     assert json.loads((ckpt.checkpoint_dir(tmp_path / "run") / "best.json").read_text())["update"] == result.update
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The best checkpoint and early stopping
+
+
+@pytest.fixture
+def scripted_losses(monkeypatch):
+    """Validation reports the losses in this list, one per validation in order (the real validation still runs, for
+    its other figures): a loss curve that goes down and up again, which a few updates of real training do not give."""
+    import mtcli.train
+
+    real, script = mtcli.train.validation_loss, []
+    monkeypatch.setattr(mtcli.train, "validation_loss", lambda *a, **k: {**real(*a, **k), "loss": script.pop(0)})
+    return script
+
+
+def valid_lines(run: Path) -> list[tuple[int, float, str]]:
+    """(update, loss, verdict) of each `valid update` line of train.log: verdict `best` or `no improvement (n)`."""
+    found = re.findall(
+        r"valid update +(\d+) \| loss ([\d.]+) \|.*\| (best|no improvement \(\d+\)) \|", (run / "train.log").read_text()
+    )
+    return [(int(u), float(loss), verdict) for u, loss, verdict in found]
+
+
+@pytest.mark.slow
+def test_valid_metric_loss_picks_the_lowest_loss_which_translate_and_eval_then_use(
+    cache_dir, tmp_path, scripted_losses
+):
+    """train.valid_metric: loss. The best checkpoint is the one with the lowest validation loss (here neither the first,
+    the last nor the highest), pruning by keep_last spares it, and translate and eval pick it by default."""
+    scripted_losses += [3.0, 1.0, 4.0, 2.0]  # at updates 2, 4, 6, 8
+    run = tmp_path / "run"
+    settings = {"train.valid_metric": "loss", "train.valid_every": 2, "train.max_updates": 8, "train.keep_last": 1}
+    train(tiny_config(cache_dir, **settings), run)
+    assert not scripted_losses  # one validation per 2 updates
+    verdicts = [(2, 3.0, "best"), (4, 1.0, "best"), (6, 4.0, "no improvement (1)"), (8, 2.0, "no improvement (2)")]
+    assert valid_lines(run) == verdicts
+    best = json.loads((ckpt.checkpoint_dir(run) / "best.json").read_text())
+    assert best["metric"] == "loss" and best["checkpoint"] == "update_00000004" and best["update"] == 4, best
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["update_00000004", "update_00000008"]
+    expected = ckpt.checkpoint_dir(run) / "update_00000004"
+    translated = invoke("translate", "--run", run, "--beam", "1", "I love apples")
+    assert f"checkpoint: {expected} (best by validation)" in translated.stderr
+    scored = json.loads(invoke("eval", "--run", run, "--split", "valid", "--beam", "1", "--json").stdout)
+    assert scored["checkpoint"] == str(expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("metric", ["loss", "bleu"])
+def test_patience_stops_a_run_that_no_longer_improves(cache_dir, tmp_path, metric):
+    """train.patience: 2 validations in a row without a better score end the run, whichever metric is watched. The
+    learning rate is so small that no float32 weight moves, so every validation scores exactly as the first: updates 2
+    (best), 4 and 6 (no improvement)."""
+    settings = {"train.valid_metric": metric, "train.patience": 2, "train.valid_every": 2, "train.max_updates": 40}
+    result = train(tiny_config(cache_dir, **settings, **{"train.lr": 1e-30}), tmp_path / "run")
+    assert result.stopped_by == "early_stopping" and result.update == 6
+    assert [u for u, _, _ in valid_lines(tmp_path / "run")] == [2, 4, 6]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "early stopping: no improvement in 2 validations" in log and "done: early_stopping at update 6" in log
+    assert ckpt.last_checkpoint(tmp_path / "run").name == "update_00000006"  # the run ends on a saved checkpoint
+    assert ckpt.best_checkpoint(tmp_path / "run").name == "update_00000002"
+
+
+@pytest.mark.slow
+def test_patience_counts_validations_since_the_best_and_across_a_resume(cache_dir, tmp_path, scripted_losses):
+    """An improvement starts the count again; a resumed run goes on counting from its checkpoint (the best score and
+    the count are in state.pt), so it stops where the uninterrupted run stops."""
+    settings = {"train.valid_metric": "loss", "train.patience": 2, "train.valid_every": 2, "train.max_updates": 40}
+    # updates 2, 4, 6, 8, 10: best, worse (1), best again (0), worse (1), worse (2): stop at 10, not at 8
+    losses_at = [5.0, 5.5, 4.0, 4.5, 4.2]
+    scripted_losses += losses_at
+    whole = train(tiny_config(cache_dir, **settings), tmp_path / "whole")
+    assert whole.stopped_by == "early_stopping" and whole.update == 10 and not scripted_losses
+    assert ckpt.best_checkpoint(tmp_path / "whole").name == "update_00000006"
+    # Stopped at update 8 with one validation without improvement, then resumed: one more stops it at 10.
+    scripted_losses += losses_at[:4]
+    part = train(tiny_config(cache_dir, **settings, **{"train.max_updates": 8}), tmp_path / "part")
+    assert part.stopped_by == "max_updates" and not scripted_losses
+    scripted_losses += [4.2, 4.3, 4.4]  # a resume that forgot the count or the best score would go on past 10
+    resumed = train(tiny_config(cache_dir, **settings), tmp_path / "part", resume=True)
+    assert resumed.stopped_by == "early_stopping" and resumed.update == 10
+    assert valid_lines(tmp_path / "part") == valid_lines(tmp_path / "whole")
+    assert ckpt.best_checkpoint(tmp_path / "part").name == "update_00000006"
