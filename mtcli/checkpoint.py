@@ -22,7 +22,6 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -34,6 +33,7 @@ from mtcli.config_loader import config_from_dict
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.model import Transformer
+from mtcli.outputs import publish_folder, write_file_atomic
 from mtcli.tokenizer import Tokenizer
 
 CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
@@ -106,10 +106,12 @@ def best_name(run_dir: Path) -> str | None:
     return name
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+def write_best(run_dir: Path, checkpoint: Path, update: int, metric: str, score: float | None = None) -> None:
+    """Point best.json at `checkpoint` (atomically: a kill leaves the old pointer or the new one)."""
+    record = {"checkpoint": Path(checkpoint).name, "update": update, "metric": metric}
+    if score is not None:
+        record["score"] = score
+    write_file_atomic(checkpoint_dir(run_dir) / "best.json", json.dumps(record, indent=1))
 
 
 def save_checkpoint(
@@ -155,21 +157,9 @@ def _write_checkpoint(tmp: Path, final: Path, update: int, model, config: Config
     if state is not None:
         torch.save(state, tmp / "state.pt")
     tokenizer.copy_to(tmp)
-    for path in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-        with open(path, "rb") as f:
-            os.fsync(f.fileno())
-    if final.exists():  # the same update saved twice (e.g. a stop right after a validation)
-        old = final.parent / f".{final.name}.old-{os.getpid()}"
-        os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)  # and the rename itself
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    # durable bytes before the rename makes them visible; the same update saved twice (a stop right after a
+    # validation) replaces the earlier folder
+    publish_folder(tmp, final)
 
 
 def _write_error(final: Path, error: OSError, model, with_state: bool) -> str:

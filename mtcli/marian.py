@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mtcli.checkpoint import checkpoint_dir, save_checkpoint, write_json_atomic
+from mtcli.checkpoint import save_checkpoint, write_best
 from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
 from mtcli.errors import MtcliError
 from mtcli.hub import hub_offline, require_hub
@@ -320,7 +320,7 @@ def _import_into(work: Path, name: str, folder, hf, hf_sd, tokenizer_config, gen
         raise MtcliError(f"{folder}: the weights do not fit the model config.json describes ({str(e)[:300]})") from None
     (work / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
     path = save_checkpoint(work, 0, model, config, tokenizer, metadata={"imported_from": str(source)})
-    write_json_atomic(checkpoint_dir(work) / "best.json", {"checkpoint": path.name, "update": 0, "metric": "imported"})
+    write_best(work, path, 0, "imported")
 
 
 def read_optional_json(path: Path, root: Path) -> dict:

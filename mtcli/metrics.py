@@ -7,7 +7,6 @@ update; with several processes they are summed over ranks first. Rank 0 alone wr
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ from mtcli.batching import PaddingCounts
 from mtcli.config import TrainConfig
 from mtcli.distributed import Dist
 from mtcli.log import format_duration, logger, progress_bar
+from mtcli.outputs import write_file_atomic
 
 
 class TensorBoard:
@@ -146,6 +146,4 @@ def _truncate_records(path: Path, last_update: int) -> None:
         except (ValueError, KeyError, TypeError):  # a line cut by the kill
             continue
     if len(keep) != len(lines):
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(keep), encoding="utf-8")
-        os.replace(tmp, path)
+        write_file_atomic(path, "".join(keep))

@@ -116,6 +116,27 @@ def new_folder(target: Path, command: str, force: bool = False, option: str = "-
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def write_file_atomic(path: Path, data: str | bytes) -> None:
+    """`data` into a temporary sibling, made durable, then renamed onto `path`: a reader, or a kill at any moment,
+    finds the old file or the new one, never part of one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def publish_folder(tmp: Path, target: Path) -> None:
+    """Make the filled folder `tmp` durable and rename it to `target` (see _replace_folder)."""
+    _durable(tmp)
+    _replace_folder(tmp, target)
+
+
 def _durable(folder: Path) -> None:
     """fsync every file below `folder` and the folders themselves, so the rename publishes complete bytes."""
     for root, _dirs, files in os.walk(folder):

@@ -335,10 +335,7 @@ def validate_and_save(run: Run) -> bool:
     path = save(run)  # every rank: the checkpoint holds every rank's RNG streams
     if d.main:
         if improved:
-            ckpt.write_json_atomic(
-                ckpt.checkpoint_dir(run.run_dir) / "best.json",
-                {"checkpoint": path.name, "update": state.update, "metric": tc.valid_metric, "score": state.best_score},
-            )
+            ckpt.write_best(run.run_dir, path, state.update, tc.valid_metric, state.best_score)
         ckpt.prune_checkpoints(run.run_dir, tc.keep_last)
         if tc.patience and state.bad_validations >= tc.patience:
             logger.info(f"early stopping: no improvement in {tc.patience} validations")

@@ -281,7 +281,7 @@ def tiny_run(tmp_path_factory) -> Path:
     model = Transformer(cfg.model, tokenizer.src_vocab_size, tokenizer.tgt_vocab_size, tokenizer.joint)
     run = home / "run"
     path = ckpt.save_checkpoint(run, 1, model, cfg, tokenizer)
-    ckpt.write_json_atomic(ckpt.checkpoint_dir(run) / "best.json", {"checkpoint": path.name, "update": 1})
+    ckpt.write_best(run, path, 1, "bleu")
     return run
 
 
