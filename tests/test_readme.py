@@ -45,6 +45,15 @@ def test_readme_lists_commands():
     assert len(COMMANDS) > 20
 
 
+def test_the_map_names_every_module():
+    """README's "Where things are" is whole: a newcomer finds every module of the package there."""
+    layout = TEXT[TEXT.index("## Where things are") :]
+    modules = sorted(
+        p.name for p in (README.parent / "mtcli").glob("*.py") if p.name not in ("__init__.py", "__main__.py")
+    )
+    assert [m for m in modules if m not in layout] == []
+
+
 SPEED = re.compile(r"\d[\d,.]*\s*(?:sentences/s|tokens/s|tok/s|ms\b|min\b)|MFU|\d+(?:\.\d+)?x\b")
 CPU = re.compile(r"AMD EPYC|Intel Xeon|Zen [45]|H100|H200|GPU")
 
