@@ -30,7 +30,7 @@ from safetensors.torch import save_model as save_safetensors
 
 from mtcli.config import Config, ModelConfig, shown
 from mtcli.config_loader import config_from_dict
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 from mtcli.log import logger
 from mtcli.model import Transformer
 from mtcli.outputs import publish_folder, write_file_atomic
@@ -43,7 +43,7 @@ CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
 CONFIG_VERSION = 3
 CLEAN_OFF = {"duplicates": False, "copies": False, "max_repeat": 0, "max_other_script": 1.0, "langid": False}
 # What restore_training reads from state.pt (training_payload writes them)
-STATE_KEYS = ("update", "epoch", "group", "best_score", "bad_validations", "world_size", "optimizer", "scaler", "rng")
+STATE_KEYS = ("update", "epoch", "next_in_epoch", "best_score", "bad_validations", "world_size", "optimizer", "scaler", "rng")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -173,7 +173,7 @@ def _write_error(final: Path, error: OSError, model, with_state: bool) -> str:
         free = "free space unknown"
     previous = last_checkpoint(folder.parent)
     keep = f"the last checkpoint, {previous}, is intact" if previous else "no earlier checkpoint was written"
-    reason = getattr(error, "strerror", None) or " ".join(str(error).split())[:200]
+    reason = getattr(error, "strerror", None) or error_text(error)
     return (
         f"cannot write checkpoint {final}: {reason} (it needs about {needed / 2**20:,.0f} MB in {folder}; {free}); "
         f"{keep}. Free some space (or fix the folder's permissions), then resume with --resume"
@@ -203,7 +203,7 @@ def read_metadata(path: Path) -> dict[str, str]:
         with safe_open(str(model_file), framework="pt") as f:
             return f.metadata() or {}
     except (OSError, SafetensorError) as e:
-        raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+        raise MtcliError(f"{model_file}: not a readable safetensors file ({error_text(e)})") from None
 
 
 def checkpoint_config(meta: dict[str, str], source: str = "checkpoint metadata") -> Config:
@@ -214,7 +214,7 @@ def checkpoint_config(meta: dict[str, str], source: str = "checkpoint metadata")
     try:
         tree, version = json.loads(meta["config"]), int(meta.get("config_version", 1))
     except (ValueError, RecursionError) as e:  # RecursionError: thousands of nested brackets
-        raise MtcliError(f"{source}: damaged config in its metadata ({' '.join(str(e).split())[:200]})") from None
+        raise MtcliError(f"{source}: damaged config in its metadata ({error_text(e)})") from None
     if not isinstance(tree, dict):
         raise MtcliError(f"{source}: damaged config in its metadata (not a JSON object)")
     decode, data = tree.get("decode"), tree.setdefault("data", {})
@@ -278,7 +278,7 @@ def declared_shapes(model_file: Path) -> dict[str, list[int]]:
         with safe_open(str(model_file), framework="pt") as f:
             return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
     except (OSError, SafetensorError) as e:
-        raise MtcliError(f"{model_file}: not a readable safetensors file ({' '.join(str(e).split())[:200]})") from None
+        raise MtcliError(f"{model_file}: not a readable safetensors file ({error_text(e)})") from None
 
 
 def check_declared_shapes(model: torch.nn.Module, model_file: Path, declared: dict[str, list[int]]) -> None:
@@ -317,7 +317,7 @@ def load_weights(model: Transformer, path: Path) -> None:
     try:
         missing, unexpected = load_safetensors_into(model, str(model_file), strict=False)
     except (OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
-        raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({' '.join(str(e).split())[:300]})") from None
+        raise MtcliError(f"{model_file}: not a loadable mtcli checkpoint ({error_text(e, 300)})") from None
     if unexpected or [m for m in missing if not m.startswith("sinusoids")]:
         raise MtcliError(
             f"{model_file}: weights do not match the model its config describes "
@@ -351,7 +351,7 @@ def read_tokenizer(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_folder(folder)
     except (OSError, RuntimeError) as e:
-        reason = " ".join(str(e).split())[:200]
+        reason = error_text(e)
         raise MtcliError(f"{folder}: no usable tokenizer next to the checkpoint ({reason})") from None
 
 
@@ -366,11 +366,13 @@ def load_state(path: Path) -> dict:
             warnings.simplefilter("ignore")
             payload = torch.load(state_file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - torch raises UnpicklingError, RuntimeError, EOFError, ... here
-        reason = " ".join(str(e).split())[:200]
+        reason = error_text(e)
         raise MtcliError(
             f"{state_file}: refused ({type(e).__name__}: {reason}); it holds something other than mtcli's training "
             "state, or it is damaged. Resume from an earlier checkpoint or retrain"
         ) from None
+    if isinstance(payload, dict) and "group" in payload and "next_in_epoch" not in payload:
+        payload["next_in_epoch"] = payload.pop("group")  # the name checkpoints before 2026-12-06 gave it
     missing = [key for key in STATE_KEYS if key not in payload] if isinstance(payload, dict) else list(STATE_KEYS)
     if missing:
         raise MtcliError(
@@ -462,7 +464,7 @@ def training_payload(state: TrainState, optimizer, scaler, rngs: list[dict]) -> 
     return {
         "update": state.update,
         "epoch": state.epoch,
-        "group": state.next_in_epoch,
+        "next_in_epoch": state.next_in_epoch,
         "best_score": state.best_score,
         "bad_validations": state.bad_validations,
         "skipped_total": state.skipped_total,
@@ -518,7 +520,7 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
     return TrainState(
         update=payload["update"],
         epoch=payload["epoch"],
-        next_in_epoch=payload["group"],
+        next_in_epoch=payload["next_in_epoch"],
         best_score=payload["best_score"],
         bad_validations=payload["bad_validations"],
         skipped_total=payload.get("skipped_total", 0),

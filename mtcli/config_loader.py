@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from mtcli.config import SHIPPED_CONFIGS, Config, ConfigError, shown
+from mtcli.errors import error_text
 
 # Values that YAML aliases (`*name`) may add to a document, counted as nodes plus characters of text: a config of ~100
 # values needs a few hundred, while nine levels of nine aliases in 600 bytes expand to 400 million values, which
@@ -98,7 +99,7 @@ def parse_yaml(text: str):
     try:
         return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader: builds plain values only
     except ValueError as e:
-        raise yaml.YAMLError(" ".join(str(e).split())[:200]) from None
+        raise yaml.YAMLError(error_text(e)) from None
     except RecursionError:
         raise UnsafeYAML("nested too deeply") from None
 

@@ -24,7 +24,7 @@ import sentencepiece
 from mtcli.clean import REASONS, PairFilter, describe_drops, langid_version
 from mtcli.config import Config, DataConfig
 from mtcli.corpus import describe_source, fingerprint_hash, open_splits, source_fingerprint
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 from mtcli.log import logger
 from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
@@ -74,7 +74,7 @@ def given_tokenizer(cfg: DataConfig) -> Tokenizer:
     try:
         return Tokenizer.from_folder(folder)
     except (OSError, RuntimeError, MtcliError) as e:
-        reason = " ".join(str(e).split())[:200]
+        reason = error_text(e)
         raise MtcliError(f"data.tokenizer: no usable tokenizer in {folder} ({reason})") from None
 
 
@@ -183,7 +183,7 @@ def read_meta(folder: Path) -> dict:
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        meta = {"error": " ".join(str(e).split())[:200]}
+        meta = {"error": error_text(e)}
     if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict) or meta.get("dtype") not in DTYPES:
         raise MtcliError(f"{path}: damaged data cache; rebuild it with mtcli data prepare --force (or delete {folder})")
     return meta

@@ -21,7 +21,7 @@ import torch
 
 from mtcli.checkpoint import save_checkpoint, write_best
 from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 from mtcli.hub import hub_offline, require_hub
 from mtcli.model import Transformer
 from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
@@ -108,7 +108,7 @@ def resolve_source(source: str, revision: str | None = None) -> tuple[Path, Path
     try:
         snapshot = Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
     except Exception as e:  # noqa: BLE001 - huggingface_hub raises many kinds: not found, gated, offline, ...
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        reason = error_text(e, 300)
         raise MtcliError(f"--hf {source}: download failed ({reason}); a local model folder works too") from None
     return snapshot, snapshot.parents[1]  # <cache>/models--org--name/snapshots/<commit>
 
@@ -127,7 +127,7 @@ def read_json(path: Path) -> dict:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MtcliError(f"{path}: not valid JSON ({' '.join(str(e).split())[:200]})") from None
+        raise MtcliError(f"{path}: not valid JSON ({error_text(e)})") from None
     if not isinstance(value, dict):
         raise MtcliError(f"{path}: expected a JSON object")
     return value
@@ -179,7 +179,7 @@ def read_weights(folder: Path, root: Path | None = None) -> dict[str, torch.Tens
             "copy with model.safetensors from a source you trust"
         ) from None
     except Exception as e:  # noqa: BLE001 - a damaged or truncated file: one line whatever the library raised
-        reason = " ".join(str(e).split())[:200] or type(e).__name__
+        reason = error_text(e)
         raise MtcliError(f"{path}: not a readable checkpoint ({type(e).__name__}: {reason})") from None
     if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
         raise MtcliError(f"{path}: expected a mapping of names to tensors")
@@ -296,7 +296,7 @@ def import_marian(source: str, out: Path, revision: str | None = None, force: bo
         try:
             tokenizer = MarianVocabTokenizer(work)
         except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: "could not parse ModelProto", ...
-            reason = " ".join(str(e).split())[:200].replace(str(work), str(folder))
+            reason = error_text(e).replace(str(work), str(folder))
             raise MtcliError(f"{folder}: its tokenizer files (source.spm, target.spm) do not load ({reason})") from None
         _import_into(work, out.name, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source)
     return out

@@ -22,7 +22,7 @@ from mtcli.translate import Translator
 
 
 @dataclass
-class CrossAttention:
+class AttentionMap:
     source: list[str]  # source pieces, then "</s>"
     target: list[str]  # output pieces, then "</s>"
     weights: torch.Tensor  # (layers, heads, target, source), rows sum to 1
@@ -30,7 +30,7 @@ class CrossAttention:
 
 
 @torch.inference_mode()
-def cross_attention(translator: Translator, sentence: str) -> CrossAttention:
+def cross_attention(translator: Translator, sentence: str) -> AttentionMap:
     """Greedy translation of `sentence` and the cross-attention weights of every decoder layer and head."""
     model, tokenizer = translator.model, translator.tokenizer
     if not sentence.strip():
@@ -53,7 +53,7 @@ def cross_attention(translator: Translator, sentence: str) -> CrossAttention:
             hook.remove()
     weights = torch.stack([_weights(model.decoder[i].cross_attn, *captured[i][:2]) for i in range(len(model.decoder))])
     source, target = tokenizer.src_pieces(src_ids), tokenizer.tgt_pieces([*best.tokens, specials.eos])
-    return CrossAttention(source, target, weights[:, 0].float().cpu(), best.text)
+    return AttentionMap(source, target, weights[:, 0].float().cpu(), best.text)
 
 
 def _weights(attn, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
@@ -66,7 +66,7 @@ def _weights(attn, x: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:
 
 
 def plot_attention(
-    result: CrossAttention, out: Path, layer: int | None = None, head: int | None = None, force: bool = False
+    result: AttentionMap, out: Path, layer: int | None = None, head: int | None = None, force: bool = False
 ) -> Path:
     """A heat map (target pieces down, source pieces across) of one layer and head, or their mean when None, written
     to `out` (an existing file is replaced only with `force`, and only once the picture is complete)."""

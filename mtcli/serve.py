@@ -43,7 +43,7 @@ from mtcli.serve_requests import (
     text_format,
     typed,
 )
-from mtcli.serve_worker import Dropped, Metrics, QueueFull, Worker
+from mtcli.serve_worker import Dropped, QueueFull, ServerCounters, Worker
 from mtcli.tokenizer import CJK_LANGS
 from mtcli.translate import combine_nbest, split_long
 
@@ -75,7 +75,7 @@ class Server:
         limits = replace(limits, max_beam=min(limits.max_beam, translator.tokenizer.tgt_vocab_size))
         self.translator, self.decode, self.limits = translator, decode, limits
         self.src, self.tgt = translator.config.data.src_lang, translator.config.data.tgt_lang
-        self.metrics = Metrics()
+        self.metrics = ServerCounters()
         self.worker = Worker(translator, limits.queue_size, limits.max_wait_ms / 1000, self.metrics)
         self.page = resources.files("mtcli").joinpath("static/index.html").read_text(encoding="utf-8")
         self.loop: asyncio.AbstractEventLoop | None = None  # uvicorn's, once it has started
@@ -309,7 +309,7 @@ class Accounting:
     """ASGI wrapper around the app: every request is counted and timed (/metrics, the summary at exit) and its
     arrival noted, which its timeout counts from."""
 
-    def __init__(self, app, metrics: Metrics):
+    def __init__(self, app, metrics: ServerCounters):
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):

@@ -77,7 +77,7 @@ class Job:
             self.future.set_result(result)
 
 
-class Metrics:
+class ServerCounters:
     """Counters shared by the event loop and the worker thread."""
 
     def __init__(self):
@@ -144,7 +144,7 @@ class Metrics:
 
 
 class Worker:
-    def __init__(self, translator, queue_size: int, max_wait: float, metrics: Metrics):
+    def __init__(self, translator, queue_size: int, max_wait: float, metrics: ServerCounters):
         self.translator, self.queue_size, self.max_wait, self.metrics = translator, queue_size, max_wait, metrics
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)  # a job arrived, or stop() was called

@@ -20,7 +20,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from mtcli.config import DataConfig
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
 
@@ -241,7 +241,7 @@ def _read_vocab(path: Path) -> dict[str, int]:
     try:
         vocab = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MtcliError(f"{path}: not a readable vocabulary ({' '.join(str(e).split())[:200]})") from None
+        raise MtcliError(f"{path}: not a readable vocabulary ({error_text(e)})") from None
     if not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab))):
         raise MtcliError(f"{path}: expected a JSON object of pieces to the ids 0..n-1, each id once")
     for token in ("<unk>", "</s>"):
@@ -256,7 +256,7 @@ def _read_specials(path: Path, vocab_size: int) -> Specials:
     try:
         ids = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise MtcliError(f"{path}: not readable JSON ({' '.join(str(e).split())[:200]})") from None
+        raise MtcliError(f"{path}: not readable JSON ({error_text(e)})") from None
     names = [f.name for f in fields(Specials)]
     if not isinstance(ids, dict) or sorted(ids) != sorted(names):
         raise MtcliError(f"{path}: expected a JSON object with exactly the ids {', '.join(names)}")

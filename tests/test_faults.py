@@ -61,3 +61,12 @@ def test_a_torchrun_restart_resumes_by_itself(tmp_path, monkeypatch):
     assert torchrun_restart(tmp_path)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert not torchrun_restart(tmp_path)  # the first attempt never resumes on its own
+
+
+def test_a_training_state_saved_under_the_old_key_name_still_loads(tmp_path):
+    """state.pt before 2026-12-06 held the position in the epoch as `group`; a resume of such a run reads it."""
+    folder = tmp_path / "update_00000008"
+    folder.mkdir()
+    keys = ("update", "epoch", "best_score", "bad_validations", "world_size", "optimizer", "scaler", "rng")
+    torch.save({**{k: 0 for k in keys}, "group": 5}, folder / "state.pt")
+    assert ckpt.load_state(folder)["next_in_epoch"] == 5

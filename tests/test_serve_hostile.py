@@ -23,7 +23,7 @@ from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.serve import serve
 from mtcli.serve_requests import ServeLimits
-from mtcli.serve_worker import Dropped, Metrics, QueueFull, TranslationFailed, Worker
+from mtcli.serve_worker import Dropped, QueueFull, ServerCounters, TranslationFailed, Worker
 from mtcli.translate import Translation
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -47,10 +47,12 @@ class FakeTranslator:
         return [[Translation(s[::-1], -1.0, -1.0, [])] for s in sentences]
 
 
-def with_worker(translator, scenario, queue_size: int = 64, max_wait: float = 0.0, metrics: Metrics | None = None):
+def with_worker(
+    translator, scenario, queue_size: int = 64, max_wait: float = 0.0, metrics: ServerCounters | None = None
+):
     """Run `scenario(worker, loop)` (a coroutine function) on an event loop while the worker runs on a thread, as in
     the server; then stop the worker. Returns the worker."""
-    worker = Worker(translator, queue_size, max_wait, metrics or Metrics())
+    worker = Worker(translator, queue_size, max_wait, metrics or ServerCounters())
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
 
@@ -217,7 +219,7 @@ def test_a_second_stop_signal_drops_what_is_queued_and_the_count_returns_to_zero
 def test_requests_still_uploading_do_not_hold_up_a_batch(receiving):
     """Requests being cut or answered make the worker wait (up to max_wait) for them to join the batch; requests
     whose body is still arriving must not, or one slow uploader adds max_wait to everyone's latency."""
-    metrics = Metrics()
+    metrics = ServerCounters()
     metrics.open = 6  # one request queued, five others in the application
     metrics.receiving = 5 if receiving else 0
     waited: list[float] = []
