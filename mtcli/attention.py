@@ -21,10 +21,10 @@ def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """Under CPU autocast (bf16 training): x as 2-D rows in the autocast dtype, zero rows appended up to a multiple
     of ROW_MULTIPLE, and the real row count. None elsewhere (fp32 (MKL) and GPU products, decoding without autocast).
 
-    oneDNN builds a bf16 matrix-product kernel for each exact shape (~3 ms each, three per layer and batch shape),
-    and a token-budget batch's sentences x length is new almost every batch: on the benchmark's first epoch,
-    building kernels took ~50 ms of a ~500 ms update. Zero rows make the shapes repeat; their outputs are dropped
-    and their gradients are zero, so the weight gradients are unchanged. They add <2% rows."""
+    oneDNN builds a bf16 matrix-product kernel for each exact shape, and a token-budget batch's sentences x length
+    is new almost every batch, so building kernels was a tenth of an update (docs/benchmarks.md, "Figures behind the
+    code"). Zero rows make the shapes repeat; their outputs are dropped and their gradients are zero, so the weight
+    gradients are unchanged. They add <2% rows."""
     if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
         return None
     rows = x.reshape(-1, x.shape[-1]).to(torch.get_autocast_dtype("cpu"))
@@ -50,10 +50,9 @@ def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor,
 def _attend(q, k, v, mask, causal: bool, dropout: float) -> torch.Tensor:
     """SDPA, except on a CPU under autocast (bf16 training) or without gradients (translation, validation): there,
     batched matrix products with an fp32 softmax. The CPU flash kernel's bf16 backward runs tiny matrix products one
-    (sentence, head, block) at a time, and was ~5x slower than fp32 on the benchmark's shapes (sentences of ~15-50
-    tokens); in fp32 it was still ~1.2-1.5x slower than this. At decoding shapes (one query per beam against a few
-    dozen cached keys) its per-call overhead dominates: 450-620 us against 230-330 us for these products (fp32,
-    320 rows x 4 heads), a fifth of a beam-5 step. GPUs keep SDPA's flash/efficient kernels."""
+    (sentence, head, block) at a time, slower than fp32 at sentence lengths of ~15-50 tokens, and at decoding shapes
+    (one query per beam against a few dozen cached keys) its per-call overhead dominates; both measured in
+    docs/benchmarks.md ("Figures behind the code"). GPUs keep SDPA's flash/efficient kernels."""
     if q.dtype != k.dtype:  # a bf16 model decoding with an fp32 cache (see KVCache.for_model)
         return _attend(q.to(k.dtype), k, v, mask, causal, dropout).to(q.dtype)
     on_cpu_fast_path = q.device.type == "cpu" and (torch.is_autocast_enabled("cpu") or not torch.is_grad_enabled())

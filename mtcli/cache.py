@@ -31,10 +31,10 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, rows: int, max_len: int, device, dtype=None) -> KVCache:
-        """A cache in `dtype` (default the model's), except on CPU, where it is fp32: for a bf16 model, SDPA's fp32
-        CPU kernels were ~1.5-2x faster than its bf16 ones on decoding shapes (a few queries per row against a few
-        dozen keys), and with attention as batched products a bf16 cache was still slower (beam 5 on the benchmark,
-        AMD EPYC Zen 5: 137-161 against 178-210 sentences/s); an fp32 cache for 64 sentences x 5 beams is a few MB."""
+        """A cache in `dtype` (default the model's), except on CPU, where it is fp32: for a bf16 model, attention over
+        an fp32 cache decoded faster than over a bf16 one at decoding shapes (a few queries per row against a few
+        dozen keys; docs/benchmarks.md, "Figures behind the code"); an fp32 cache for 64 sentences x 5 beams is a
+        few MB."""
         head_dim = model.cfg.d_model // model.cfg.heads
         dtype = dtype or next(model.parameters()).dtype
         if torch.device(device).type == "cpu":

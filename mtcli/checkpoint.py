@@ -43,7 +43,17 @@ CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
 CONFIG_VERSION = 3
 CLEAN_OFF = {"duplicates": False, "copies": False, "max_repeat": 0, "max_other_script": 1.0, "langid": False}
 # What restore_training reads from state.pt (training_payload writes them)
-STATE_KEYS = ("update", "epoch", "next_in_epoch", "best_score", "bad_validations", "world_size", "optimizer", "scaler", "rng")
+STATE_KEYS = (
+    "update",
+    "epoch",
+    "next_in_epoch",
+    "best_score",
+    "bad_validations",
+    "world_size",
+    "optimizer",
+    "scaler",
+    "rng",
+)
 
 
 def checkpoint_dir(run_dir: Path) -> Path:

@@ -69,15 +69,15 @@ def choose_precision(
 
     auto on CUDA: bf16 where supported, else fp16 for training (with a loss scaler) and fp32 for translation. auto on
     a CPU: bf16 where the CPU has bf16 matrix units and a quick measured probe shows its bf16 products at least 2x
-    faster than fp32 (AMX: ~4-8x), else fp32 (CPUs without bf16 units run bf16 4-100x slower). int8 (translation
-    only) is never picked by auto: it is the explicit option for CPUs without bf16 units."""
+    faster than fp32, else fp32 (CPUs without bf16 units run bf16 several times slower). int8 (translation only) is
+    never picked by auto: it is the explicit option for CPUs without bf16 units."""
     if name != "auto":
         if name == "int8" and (training or device.type != "cpu"):
             raise MtcliError("int8 is a translation precision for CPUs (dynamic quantization of the linear layers)")
         if device.type == "cpu" and name in ("bf16", "fp16") and cpu_bf16_units() is None:
             logger.warning(
-                f"warning: {name} on a CPU without bf16 matrix units runs 4-100x slower than fp32 (measured: ~4x on an "
-                "AVX-512 Xeon without AMX, ~100x on an AVX2 EPYC); use fp32"
+                f"warning: {name} on a CPU without bf16 matrix units runs several times slower than fp32 (see "
+                "docs/benchmarks.md); use fp32"
             )
         return name, "as set"
     if device.type == "cuda":
@@ -104,7 +104,7 @@ def keep_freed_memory() -> bool:
 
     By default every buffer over a size threshold is a fresh mmap, and the kernel zero-fills its pages again on first
     touch: a CPU training step that frees and reallocates its activations spent a third of its time in page faults
-    (benchmark setting: 2,450 -> 3,800 target tokens/s with this). The cost is that the process keeps its peak
+    (docs/benchmarks.md, "Figures behind the code"). The cost is that the process keeps its peak
     memory until it exits, which a training or translation process does anyway. No-op off glibc."""
     if platform.system() != "Linux":
         return False
@@ -120,8 +120,8 @@ def keep_freed_memory() -> bool:
 def keep_onednn_kernels(capacity: int = 4096) -> None:
     """Let oneDNN keep more CPU kernels (its ONEDNN_PRIMITIVE_CACHE_CAPACITY, default 1,024) unless the user set it.
 
-    CPU bf16 matrix products run kernels built for each exact shape (~5-10 ms each). A Multi30k epoch at 4,096
-    tokens makes ~75 distinct sentences x length products, ~15 product shapes each: more than 1,024 kernels, so with
-    the default every epoch rebuilt most of them (~120 ms of a ~600 ms bf16 update); with 4,096 only the first epoch
-    does. oneDNN reads the variable when it makes its first kernel, so this must run before any CPU product."""
+    CPU bf16 matrix products run kernels built for each exact shape. A Multi30k epoch at 4,096 tokens makes ~75
+    distinct sentences x length products, ~15 product shapes each: more than 1,024 kernels, so with the default
+    every epoch rebuilt most of them; with 4,096 only the first epoch does. oneDNN reads the variable when it makes
+    its first kernel, so this must run before any CPU product."""
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))

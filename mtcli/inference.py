@@ -17,10 +17,10 @@ from mtcli.log import logger
 
 class PackedLinear(torch.nn.Module):
     """nn.Linear for inference on a CPU, its weight reordered once into oneDNN's blocked layout. In bf16, F.linear
-    reorders the weight on every call, which at decoding sizes (5-320 rows) costs as much as the product: packed,
-    a beam-5 step's projections run 1.6-2x faster, with identical results. In fp32, F.linear runs on MKL, whose
-    products on an AMD EPYC (Zen 5) reached 130-165 GFLOP/s against oneDNN's 355-385 at decoding shapes (320 x 256
-    @ 256 x 768..8000, 2 threads); results differ from MKL's by float rounding (~2e-6). It uses torch's private
+    reorders the weight on every call, which at decoding sizes (5-320 rows) costs as much as the product; packed,
+    the results are identical. In fp32, F.linear runs on MKL, slower than oneDNN at decoding shapes on the CPUs
+    measured (docs/benchmarks.md, "Figures behind the code"); results differ from MKL's by float rounding
+    (~2e-6). It uses torch's private
     mkldnn ops, as torch.compile's CPU backend does; where they are missing, `pack_linears` leaves the layers as
     they are."""
 

@@ -4,9 +4,8 @@ The vocabulary projection and the loss are fused and computed in chunks of rows:
 turned into the loss and into gradients for the hidden states and the output matrix at once, then dropped. So the
 (tokens x vocabulary) logits never exist whole, nothing of that size is kept for the backward pass, and the
 memory-bound passes over it shrink from about a dozen (projection, log-softmax, its backward, label smoothing's
-extra terms, zero-filled gradients) to four (the projection, one softmax, the two gradient products). On the
-benchmark setting (8k vocabulary, ~3.8k target tokens per batch, 2 CPU threads) fusing removed about 0.5 s of a
-1.0 s update.
+extra terms, zero-filled gradients) to four (the projection, one softmax, the two gradient products): about half
+of a CPU update on the benchmark setting (docs/benchmarks.md, "Figures behind the code").
 
 Label smoothing spreads eps uniformly over the vocabulary, as `F.cross_entropy(label_smoothing=eps)` does:
 loss = (1 - eps) * -log p[y] + eps * mean_v(-log p[v]).
@@ -49,7 +48,7 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
         N, V = hidden.shape[0], weight.shape[0]
         hidden_dtype = hidden.dtype
         if hidden.device.type == "cpu" and dtype != torch.float32:
-            # CPU bf16 products run oneDNN kernels built for each exact shape (~5-10 ms per new one), and the last
+            # CPU bf16 products run oneDNN kernels built for each exact shape (milliseconds per new one), and the last
             # chunk's row count is new almost every batch: zero rows round it up to a multiple of ROW_MULTIPLE. They add
             # nothing to grad_weight (their h is 0); their losses and grad_hidden rows are dropped.
             hidden = _pad_rows(hidden.to(dtype))

@@ -22,7 +22,7 @@ from mtcli.tokenizer import MTCLI_SPECIALS, Specials
 class Dropout(nn.Module):
     """nn.Dropout, with a faster mask on CPU: torch's CPU Bernoulli sampler draws one random number per element,
     while 64-bit random integers cut into four 16-bit lanes need a quarter of the draws (rate resolution 1/65536).
-    On the benchmark's update this took dropout from ~8% of the time to ~3%. GPUs keep F.dropout."""
+    GPUs keep F.dropout."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -52,8 +52,8 @@ class FeedForward(nn.Module):
         padded = padded_rows(x) if type(self.up) is type(self.down) is nn.Linear else None
         if padded is None:
             return self.down(self.dropout(self.activation(self.up(x))))
-        # bf16 on CPU: both products on the same padded rows, unpadded once (padding copies and the zero-filled
-        # gradient of a slice: ~35 ms of a ~1.35 s benchmark update saved, 1-thread profile)
+        # bf16 on CPU: both products on the same padded rows, unpadded once (saves a padding copy and the
+        # zero-filled gradient of a slice per layer)
         rows, n = padded
         hidden = self.dropout(self.activation(F.linear(rows, self.up.weight, self.up.bias)))
         return F.linear(hidden, self.down.weight, self.down.bias)[:n].view(*x.shape[:-1], -1)

@@ -351,8 +351,7 @@ def serve(translator, decode: DecodeConfig, limits: ServeLimits, host: str = "12
     """Serve `translator` until SIGTERM or Ctrl-C, then answer every accepted request and return.
 
     The model runs on the main thread and HTTP (uvicorn's event loop) on another: torch's OpenMP ops launched from a
-    thread other than the main one ran 2x slower here (a 5-row product: 130 us against 59 us, one sentence at beam
-    5: 75 ms against 38 ms)."""
+    thread other than the main one ran about 2x slower (docs/serve.md)."""
     if not 0 <= port <= 65535:  # the socket module would wrap 70000 around to 4464
         raise MtcliError(f"--port must be between 0 and 65535, not {port}")
     server = Server(translator, decode, limits)
