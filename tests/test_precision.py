@@ -43,7 +43,7 @@ def test_auto_picks_fp32_without_bf16_units_or_when_they_are_not_faster(monkeypa
 def test_explicit_precisions_are_kept_and_int8_is_for_translation_on_cpu(monkeypatch, log):
     fake_cpu(monkeypatch, None, 0.01)
     assert choose_precision("bf16", CPU, 256, 1024) == ("bf16", "as set")
-    assert any("4-100x slower than fp32" in line for line in log)  # forced bf16 without units: allowed, warned
+    assert any("slower than fp32" in line for line in log)  # forced bf16 without units: allowed, warned
     assert choose_precision("int8", CPU, 256, 1024, training=False) == ("int8", "as set")
     with pytest.raises(MtcliError, match="translation precision"):
         choose_precision("int8", CPU, 256, 1024)

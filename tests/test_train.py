@@ -571,7 +571,7 @@ def test_patience_counts_validations_since_the_best_and_across_a_resume(cache_di
     assert ckpt.best_checkpoint(tmp_path / "whole").name == "update_00000006"
     # Stopped at update 8 with one validation without improvement, then resumed: one more stops it at 10.
     scripted_losses += losses_at[:4]
-    part = train(tiny_config(cache_dir, **settings, **{"train.max_updates": 8}), tmp_path / "part")
+    part = train(tiny_config(cache_dir, **{**settings, "train.max_updates": 8}), tmp_path / "part")
     assert part.stopped_by == "max_updates" and not scripted_losses
     scripted_losses += [4.2, 4.3, 4.4]  # a resume that forgot the count or the best score would go on past 10
     resumed = train(tiny_config(cache_dir, **settings), tmp_path / "part", resume=True)
