@@ -14,6 +14,7 @@ file is replaced only with `--force`, through a temporary sibling renamed over i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -99,21 +100,27 @@ def new_folder(target: Path, command: str, force: bool = False, option: str = "-
     target = _resolved(target)
     check_folder_target(target, command, force, option)
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
+    made = [p for p in reversed(target.parents) if not p.exists()]  # parents this command creates, outermost first
+    done = False
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only (the pid is in the name)
-        tmp.mkdir()
-    except OSError as e:
-        raise MtcliError(f"{option} {target}: cannot write there ({e.strerror})") from None
-    try:
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only (the pid is in the name)
+            tmp.mkdir()
+        except OSError as e:
+            raise MtcliError(f"{option} {target}: cannot write there ({e.strerror})") from None
         yield tmp
         files = [f for f in _files_under(tmp) if f != MANIFEST]
         (tmp / MANIFEST).write_text(json.dumps({"command": command, "files": files}, indent=1), encoding="utf-8")
         _durable(tmp)
         check_folder_target(target, command, force, option)  # again: something may have appeared meanwhile
         _replace_folder(tmp, target)
+        done = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        for parent in [] if done else reversed(made):  # a failure leaves no empty folders behind either
+            with contextlib.suppress(OSError):
+                parent.rmdir()
 
 
 def write_file_atomic(path: Path, data: str | bytes) -> None:

@@ -134,7 +134,7 @@ def test_a_folder_writer_that_fails_halfway_leaves_nothing_behind(tmp_path, toy_
     empty = tmp_path / "empty"
     empty.mkdir()
     for name, command in folder_commands(toy_run, None).items():
-        for out in (tmp_path / name.replace(" ", "-"), empty):
+        for out in (tmp_path / name.replace(" ", "-"), empty, tmp_path / "new" / "parents" / name.replace(" ", "-")):
             assert isinstance(run_cli(*command(out)), MtcliError), name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and list(empty.iterdir()) == []
 
