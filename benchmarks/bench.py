@@ -356,7 +356,7 @@ def measure(cfg, data, args) -> dict:
     peaks = {"fp32": gemm_peak_gflops(torch.float32)}
     if has_bf16:  # ~100x slower without bf16 units
         peaks["bf16"] = gemm_peak_gflops(torch.bfloat16)
-    auto, why = choose_precision("auto", torch.device("cpu"), cfg.model.d_model, cfg.model.d_ff)
+    auto, why = choose_precision("auto", torch.device("cpu"))
     results["train_precision_auto"] = f"{auto} ({why})"
     print(f"GEMM peaks: fp32 {peaks['fp32']:.0f}, bf16 {peaks.get('bf16', 0):.0f} GFLOP/s; auto: {auto} ({why})")
     measured, seen = training_rounds(cfg, data, peaks, args.rounds)

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import ctypes
-import functools
-import math
 import os
 import platform
-import time
 
 import torch
 
@@ -30,7 +27,6 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-BF16_MIN_SPEEDUP = 2.0  # auto picks bf16 on a CPU only when its bf16 products are at least this much faster
 
 
 def cpu_bf16_units() -> str | None:
@@ -42,35 +38,14 @@ def cpu_bf16_units() -> str | None:
     return None
 
 
-@functools.cache
-def bf16_matmul_speedup(rows: int, d_model: int, d_ff: int) -> float:
-    """Measured throughput of bf16 over fp32 for (rows x d_model) @ (d_model x d_ff), this model's feed-forward
-    product, with the current thread count: best of a few repeats, about a tenth of a second in all."""
-    speed = {}
-    generator = torch.Generator().manual_seed(0)  # not the global stream: a probe must not shift training's dropout
-    for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(rows, d_model, generator=generator).to(dtype)
-        b = torch.randn(d_model, d_ff, generator=generator).to(dtype)
-        a @ b  # warm-up: kernel selection, page faults
-        best = math.inf
-        for _ in range(5):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        speed[dtype] = 1 / max(best, 1e-9)
-    return speed[torch.bfloat16] / speed[torch.float32]
+def choose_precision(name: str, device: torch.device, training: bool = True) -> tuple[str, str]:
+    """The precision to use ("fp32", "bf16", "fp16" or, for translation, "int8") and the reason.
 
-
-def choose_precision(
-    name: str, device: torch.device, d_model: int, d_ff: int, training: bool = True
-) -> tuple[str, str]:
-    """The precision to use ("fp32", "bf16", "fp16" or, for translation, "int8") and the reason, for a model with
-    this d_model and d_ff.
-
-    auto on CUDA: bf16 where supported, else fp16 for training (with a loss scaler) and fp32 for translation. auto on
-    a CPU: bf16 where the CPU has bf16 matrix units and a quick measured probe shows its bf16 products at least 2x
-    faster than fp32, else fp32 (CPUs without bf16 units run bf16 several times slower). int8 (translation only) is
-    never picked by auto: it is the explicit option for CPUs without bf16 units."""
+    auto decides from what the hardware is, never from a timing, so one command on one machine gives one answer
+    whatever else runs there. On CUDA: bf16 where supported, else fp16 for training (with a loss scaler) and fp32 for
+    translation. On a CPU: bf16 where it has bf16 matrix units (AMX tiles or AVX512-BF16 dot products; bf16 products
+    measured 2.7-7x fp32 on both, docs/design.md), fp32 otherwise (bf16 without them runs 4-100x slower). int8
+    (translation only) is never picked by auto: it trades a little BLEU for speed, which is the user's call."""
     if name != "auto":
         if name == "int8" and (training or device.type != "cpu"):
             raise MtcliError("int8 is a translation precision for CPUs (dynamic quantization of the linear layers)")
@@ -89,10 +64,7 @@ def choose_precision(
     units = cpu_bf16_units()
     if units is None:
         return "fp32", "this CPU has no bf16 matrix units"
-    speedup = bf16_matmul_speedup(4096, d_model, d_ff)  # big enough that call overhead does not hide the units
-    if speedup >= BF16_MIN_SPEEDUP:
-        return "bf16", f"{units}; bf16 matmul {speedup:.1f}x fp32"
-    return "fp32", f"{units}, but bf16 matmul only {speedup:.1f}x fp32 here"
+    return "bf16", f"this CPU has {units} bf16 matrix units"
 
 
 def precision_name(dtype: torch.dtype) -> str:

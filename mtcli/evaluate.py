@@ -66,7 +66,13 @@ def evaluate(
         write_lines(path, stream)
     result = score_files(hypotheses, hyp_path, references, ref_paths, tgt_lang, options)
     result.update(
-        {"sentences": len(sources), "beam": decode.beam, "lenpen": decode.lenpen, "precision": translator.precision}
+        {
+            "sentences": len(sources),
+            "beam": decode.beam,
+            "lenpen": decode.lenpen,
+            "precision": translator.precision,
+            "precision_reason": translator.precision_reason,
+        }
     )
     if sentence_file is not None:
         result["sentence_scores"] = write_sentence_scores(
@@ -206,7 +212,7 @@ def validation_bleu(model, tokenizer, split, cfg: Config, device) -> float:
     if cfg.train.valid_max_sentences:
         sources, references = sources[: cfg.train.valid_max_sentences], references[: cfg.train.valid_max_sentences]
     # The precision `mtcli eval` picks by default, on a converted copy: the logged score is what eval repeats.
-    precision = translation_precision(cfg.decode.precision, cfg.model, device)
+    precision, _ = translation_precision(cfg.decode.precision, device)
     translator = Translator(inference_model(model, precision, copy=True), tokenizer, cfg, device, precision)
     decode = dataclasses.replace(cfg.decode, beam=1, nbest=1, sampling=False)
     return score(translator.translate(sources, decode), references, cfg.data.tgt_lang)["bleu"]

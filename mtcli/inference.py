@@ -80,11 +80,11 @@ def inference_model(model: torch.nn.Module, precision: str, copy: bool = False) 
 _logged_decisions: set[str] = set()
 
 
-def translation_precision(precision: str, model_config, device: torch.device) -> str:
-    """`auto` resolved for this device and model (device.choose_precision); the decision is logged once."""
-    name, why = choose_precision(precision, device, model_config.d_model, model_config.d_ff, training=False)
+def translation_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """`auto` resolved for this device (device.choose_precision), and the reason; an auto decision is logged once."""
+    name, why = choose_precision(precision, device, training=False)
     message = f"translation precision: {name} ({why})"
     if precision == "auto" and message not in _logged_decisions:
         _logged_decisions.add(message)
         logger.info(message)
-    return name
+    return name, why

@@ -199,7 +199,7 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
         start = ckpt.resolve_member(tc.init_from)
         ckpt.load_weights(model, start)
         logger.info(f"fine-tuning: weights from {start}, a fresh optimizer")
-    precision, why = choose_precision(tc.precision, device, cfg.model.d_model, cfg.model.d_ff)
+    precision, why = choose_precision(tc.precision, device)
     started = ckpt.read_metadata(ckpt.last_checkpoint(run_dir)).get("train_precision") if resume else None
     if tc.precision == "auto" and started in DTYPES and started != precision:
         precision, why = started, f"as the run started; auto would pick {precision} ({why})"  # exact resume

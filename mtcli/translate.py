@@ -60,6 +60,7 @@ class Translator:
         translate --split-long`), instead of truncated with a warning."""
         self.model, self.tokenizer, self.config, self.device = model, tokenizer, config, device
         self.precision = precision
+        self.precision_reason = "as set"  # why this precision: what `auto` saw (from_checkpoint), for eval's report
         self.max_src_tokens = config.model.max_positions - 1  # room for EOS
         # A megabyte-long line is cut to far more characters than the positions hold before SentencePiece sees it,
         # so one such line costs no more than a long sentence (the subwords kept are the same in practice).
@@ -84,7 +85,7 @@ class Translator:
         checkpoint's."""
         dev = resolve_device(device)
         model, config, tokenizer = load_model(Path(checkpoint), dev)
-        name = translation_precision(precision or config.decode.precision, config.model, dev)
+        name, why = translation_precision(precision or config.decode.precision, dev)
         model = inference_model(model, name)
         members, others = [model], [resolve_member(p) for p in ensemble]
         for other in others:
@@ -102,6 +103,7 @@ class Translator:
         translator = cls(Ensemble(members) if len(members) > 1 else model, tokenizer, config, dev, name, split_long)
         translator.checkpoint = Path(checkpoint)
         translator.ensemble = others
+        translator.precision_reason = why
         return translator
 
     @classmethod

@@ -100,6 +100,8 @@ def test_eval_reports_what_sacrebleu_reports_on_the_written_files(toy_run):
     for key in ("bleu", "chrf", "signature", "hypotheses", "references"):
         assert key in result
     assert "tok:zh" in result["signature"]
+    # a score says which precision produced it, and why (auto: what the CPU has, never a timing)
+    assert result["precision_reason"].startswith(("this CPU has", "as set")), result
     cli = subprocess.run(
         [
             sys.executable,
