@@ -5,7 +5,9 @@ An opus-mt model is the paper's post-norm Transformer with a few choices of its 
 swish (SiLU) activations, a fixed output bias (`final_logits_bias`), embeddings scaled by sqrt(d_model), sinusoids
 laid out as [sin | cos] halves, and its own vocabulary: vocab.json maps SentencePiece pieces to model ids (eos 0,
 unk 1, pad = decoder start = the last id). mtcli keeps the model's ids (`MarianVocabTokenizer`) and turns the halves
-layout into its interleaved one by permuting the model dimension, which changes no output. What mtcli cannot hold
+layout into its interleaved one by permuting the model dimension, which changes no output. Blenderbot's
+encoder-decoder, which mtcli's pre-norm models export to, imports back too (its layout is mtcli's; its stored
+position table becomes mtcli's sinusoids when it holds them, a learned table otherwise). What mtcli cannot hold
 exactly is refused with the reason, never imported approximately.
 """
 
@@ -23,7 +25,7 @@ from mtcli.checkpoint import save_checkpoint, write_best
 from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
 from mtcli.errors import MtcliError, error_text
 from mtcli.hub import hub_offline, require_hub
-from mtcli.model import Transformer
+from mtcli.model import Transformer, sinusoidal_positions
 from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
 from mtcli.tokenizer import MarianVocabTokenizer
 
@@ -133,14 +135,23 @@ def read_json(path: Path) -> dict:
     return value
 
 
+# The Transformers architectures mtcli imports, and their layer norm: MarianMT (opus-mt, and mtcli's post-norm
+# exports) and Blenderbot's encoder-decoder (mtcli's pre-norm exports: pre-norm layers, a final LayerNorm on each stack,
+# one embedding matrix for both sides, a stored position table).
+ARCHITECTURES = {"marian": "post", "blenderbot": "pre"}
+
+
 def check_marian_config(hf: dict, where: Path) -> None:
     """Refuse, with the reason, what mtcli's Transformer cannot compute exactly."""
 
     def refuse(why: str) -> None:
         raise MtcliError(f"{where}: {why}; mtcli imports only what it computes exactly")
 
-    if hf.get("model_type") != "marian":
-        refuse(f"model_type is `{hf.get('model_type')}`, not `marian` (mtcli imports MarianMT / opus-mt models)")
+    if hf.get("model_type") not in ARCHITECTURES:
+        refuse(
+            f"model_type is `{hf.get('model_type')}`, not `marian` or `blenderbot` (mtcli imports MarianMT / opus-mt "
+            "models, and the Blenderbot models its own pre-norm exports write)"
+        )
     activation = hf.get("activation_function", "gelu")
     if activation not in ACTIVATIONS:
         refuse(f"activation_function `{activation}` (mtcli has {', '.join(sorted(ACTIVATIONS))})")
@@ -148,6 +159,8 @@ def check_marian_config(hf: dict, where: Path) -> None:
         other = key.replace("encoder", "decoder")
         if hf.get(key) != hf.get(other):
             refuse(f"{key} ({hf.get(key)}) differs from {other} ({hf.get(other)}): mtcli's stacks share one value")
+    if hf["model_type"] == "blenderbot":
+        return  # one embedding matrix for both sides, output tied or not: every layout mtcli holds
     if not hf.get("static_position_embeddings", True):
         refuse("learned position embeddings (static_position_embeddings: false)")
     if hf.get("normalize_before") or hf.get("normalize_embedding") or hf.get("add_final_layer_norm"):
@@ -218,8 +231,35 @@ def check_weight_shapes(hf: dict, hf_sd: dict[str, torch.Tensor], where: Path) -
             raise MtcliError(f"{where}: `{key}` is {hf[key]}, but the weights file has {value}; the two do not match")
 
 
+def position_table(hf_sd: dict[str, torch.Tensor], hf: dict, where: Path) -> torch.Tensor | None:
+    """A Blenderbot model's stored position table (None for MarianMT, which computes its sinusoids). mtcli holds one
+    table for both stacks, so the encoder's and the decoder's must be equal."""
+    if hf["model_type"] != "blenderbot":
+        return None
+    names = [f"model.{side}.embed_positions.weight" for side in ("encoder", "decoder")]
+    missing = [n for n in names if n not in hf_sd]
+    if missing:
+        raise MtcliError(f"{where}: the weights file has no {', '.join(missing)}")
+    encoder, decoder = (hf_sd[n].float() for n in names)
+    if encoder.shape != (hf.get("max_position_embeddings", 128), hf["d_model"]) or not torch.equal(encoder, decoder):
+        raise MtcliError(
+            f"{where}: the encoder's and decoder's position tables differ or do not have max_position_embeddings x "
+            "d_model rows; mtcli's model has one table for both stacks"
+        )
+    return encoder
+
+
+def positions_kind(table: torch.Tensor | None) -> str:
+    """ "sinusoidal" when the model's positions are the paper's sinusoids (MarianMT; a Blenderbot table that holds
+    them, as mtcli's own exports do), else "learned" (the table loaded as it is)."""
+    if table is None or torch.allclose(table, sinusoidal_positions(*table.shape), atol=1e-6, rtol=0):
+        return "sinusoidal"
+    return "learned"
+
+
 def mtcli_weights(hf_sd: dict[str, torch.Tensor], hf: dict, cfg) -> dict[str, torch.Tensor]:
-    """HF MarianMT tensors under mtcli's names, in mtcli's (interleaved) model dimension order."""
+    """HF MarianMT or Blenderbot tensors under mtcli's names (MarianMT's in mtcli's interleaved model dimension
+    order)."""
 
     def first(*names: str) -> torch.Tensor:
         for name in names:
@@ -236,8 +276,13 @@ def mtcli_weights(hf_sd: dict[str, torch.Tensor], hf: dict, cfg) -> dict[str, to
         sd["output_bias"] = hf_sd["final_logits_bias"].reshape(-1)
     else:
         sd["output_bias"] = torch.zeros(tgt.shape[0])
-    for mt, names in layer_weight_map(cfg.n_encoder_layers, cfg.n_decoder_layers, pre_norm=False).items():
+    pre_norm = hf["model_type"] == "blenderbot"
+    for mt, names in layer_weight_map(cfg.n_encoder_layers, cfg.n_decoder_layers, pre_norm).items():
         sd[mt] = torch.cat([first(name) for name in names])
+    if pre_norm:  # Blenderbot's layout is mtcli's: no permutation; its table is loaded when it is not the sinusoids
+        if cfg.positions == "learned":
+            sd["learned_positions.weight"] = first("model.encoder.embed_positions.weight")
+        return {k: v.float().contiguous() for k, v in sd.items()}
     inverse = torch.argsort(interleaved_to_halves(cfg.d_model))  # halves -> mtcli's interleaved sinusoids
     return {k: v.float().contiguous() for k, v in permute_model_dimension(sd, inverse).items()}
 
@@ -311,7 +356,8 @@ def _import_into(work: Path, name: str, folder, hf, hf_sd, tokenizer_config, gen
         expected = hf.get(key) or hf.get("vocab_size")
         if size != expected:
             raise MtcliError(f"{folder}: config.json's {key} is {expected}, but the vocabulary file has {size} entries")
-    config = marian_run_config(hf, tokenizer_config, generation, name, separate)
+    positions = positions_kind(position_table(hf_sd, hf, folder / "config.json"))
+    config = marian_run_config(hf, tokenizer_config, generation, name, separate, positions)
     model = Transformer(config.model, *sizes.values(), tokenizer.joint, tokenizer.specials)
     weights = mtcli_weights(hf_sd, hf, config.model)
     try:
@@ -327,7 +373,9 @@ def read_optional_json(path: Path, root: Path) -> dict:
     return read_json(inside(path, root)) if path.is_file() else {}
 
 
-def marian_run_config(hf: dict, tokenizer_config: dict, generation: dict, name: str, separate: bool):
+def marian_run_config(
+    hf: dict, tokenizer_config: dict, generation: dict, name: str, separate: bool, positions: str = "sinusoidal"
+):
     """The mtcli config of an imported model: its architecture, languages and beam size. The length penalty is
     mtcli's GNMT one, at 0 (none): Transformers divides scores by length ** length_penalty, a different formula."""
 
@@ -342,7 +390,8 @@ def marian_run_config(hf: dict, tokenizer_config: dict, generation: dict, name: 
         attention_dropout=hf.get("attention_dropout", 0.0),
         activation_dropout=hf.get("activation_dropout", 0.0),
         activation=ACTIVATIONS[hf.get("activation_function", "gelu")],
-        norm="post",
+        norm=ARCHITECTURES[hf["model_type"]],
+        positions=positions,
         max_positions=hf.get("max_position_embeddings", 1024),
         tie_embeddings=hf.get("tie_word_embeddings", True),
         scale_embedding=hf.get("scale_embedding", False),  # MarianConfig's defaults; opus-mt sets true

@@ -14,6 +14,7 @@ from mtcli.checkpoint import best_checkpoint
 from mtcli.config import ModelConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
+from mtcli.marian import import_marian
 from mtcli.model import Transformer
 from mtcli.scoring import score
 from mtcli.tokenizer import Tokenizer
@@ -198,10 +199,11 @@ def test_hugging_face_greedy_equals_mtcli_on_random_toy_sentences(toy_run, tmp_p
         assert tokens == full or (tokens == full[: len(tokens)] and len(tokens) == 2 * len(src) + 20)
 
 
-@pytest.mark.parametrize("fixture", ["post_norm_run", "separate_vocab_run"])
+@pytest.mark.parametrize("fixture", ["toy_run", "post_norm_run", "separate_vocab_run"])
 def test_exported_model_imports_back_with_the_same_translations(fixture, request, tmp_path, monkeypatch):
-    """mtcli -> MarianMT -> mtcli: the imported run (its own special ids 0-3, vocab.json over mtcli's pieces)
-    translates every test sentence as the original, greedy and beam."""
+    """mtcli -> MarianMT (post-norm) or Blenderbot (pre-norm) -> mtcli: the imported run (its own special ids 0-3,
+    vocab.json over mtcli's pieces) has the original's architecture and translates every test sentence as the
+    original, greedy and beam."""
     pytest.importorskip("transformers", reason="the export extra is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = request.getfixturevalue(fixture)
@@ -210,6 +212,39 @@ def test_exported_model_imports_back_with_the_same_translations(fixture, request
     original = Translator.from_run(run, device="cpu", precision="fp32")
     back = Translator.from_run(tmp_path / "back", device="cpu", precision="fp32")
     assert back.model.specials == original.model.specials
+    assert (back.config.model.norm, back.config.model.positions) == (original.config.model.norm, "sinusoidal")
     sources, _ = eval_texts(original.config, "test")
     for beam in (1, 4):
         assert back.translate(sources, beam=beam, lenpen=0.6) == original.translate(sources, beam=beam, lenpen=0.6)
+
+
+def test_a_blenderbot_with_a_learned_position_table_imports_with_the_same_logits(toy_run, tmp_path, monkeypatch):
+    """A pre-norm export whose position table is no longer the sinusoids (as after fine-tuning in Transformers) is
+    imported with that table as learned positions: mtcli's logits equal Blenderbot's; tables that differ between
+    encoder and decoder are refused in one line."""
+    transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    invoke("export", "--run", toy_run, "--format", "hf", "--out", tmp_path / "hf")
+    hf_model = transformers.BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
+    table = hf_model.model.encoder.embed_positions.weight
+    with torch.no_grad():
+        table.add_(0.05 * torch.randn(table.shape, generator=torch.Generator().manual_seed(0)))
+        hf_model.model.decoder.embed_positions.weight.copy_(table)
+    hf_model.save_pretrained(tmp_path / "hf")
+    invoke("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back")
+    model = Translator.from_run(tmp_path / "back", device="cpu", precision="fp32").model
+    assert model.cfg.positions == "learned" and model.cfg.norm == "pre"
+    src = torch.tensor([[5, 9, 12, 7, model.specials.eos], [8, 6, model.specials.eos, 0, 0]])
+    src_pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    tgt_in = torch.tensor([[model.specials.bos, 11, 4, 9], [model.specials.bos, 7, 7, 5]])
+    src[src_pad] = model.specials.pad
+    with torch.inference_mode():
+        theirs = hf_model(input_ids=src, attention_mask=(~src_pad).long(), decoder_input_ids=tgt_in).logits
+        ours = model(src, src_pad, tgt_in)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        hf_model.model.decoder.embed_positions.weight.add_(0.01)
+    hf_model.save_pretrained(tmp_path / "hf")
+    with pytest.raises(MtcliError, match="position tables differ"):
+        import_marian(str(tmp_path / "hf"), tmp_path / "again")
+    assert not (tmp_path / "again").exists()
