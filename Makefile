@@ -2,8 +2,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# The torch requirement; CI passes torch==2.13.0 (this machine's CPU build). Default: whatever pip picks.
-TORCH ?= torch
+# The torch requirement; CI passes torch==2.13.0 (this machine's CPU build). Default (auto): torch's CPU build without
+# an NVIDIA GPU, its default (CUDA) build with one; scripts/pick_torch.py says which it chose and why.
+TORCH ?= auto
 # Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib, the server,
 # py3langid (data.clean.langid).
 EXTRAS ?= dev,tensorboard,export,plot,serve,langid
@@ -16,7 +17,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet $$($(BIN)/python scripts/pick_torch.py "$(TORCH)")
 	$(BIN)/pip install --quiet -e ".[$(EXTRAS)]"
 	touch $@
 
