@@ -11,20 +11,52 @@ import sys
 from pathlib import Path
 
 import typer
+import typer.core
 
 from mtcli import __version__
 from mtcli.config_loader import shipped_config_names
 from mtcli.errors import MtcliError
 from mtcli.log import logger
 
+
+class _PlainTypes:
+    """Help without typer's `<bool>` beside on/off flags, and with an element's type (`<path>`, not `<list[path]>`)
+    beside repeatable options and arguments."""
+
+    def get_params(self, ctx: typer.Context) -> list:
+        params = super().get_params(ctx)
+        for param in params:
+            if param.metavar is not None:
+                continue
+            if getattr(param, "is_flag", False):
+                param.display_type_rich = lambda ctx: None
+            elif (param.multiple or param.nargs == -1) and hasattr(
+                param, "display_type"
+            ):  # typer >= 0.25; older ones print click's types
+                label = param.display_type(ctx).replace("list[", "").replace("]", "").lower()
+                param.display_type_rich = lambda ctx, label=label: label
+        return params
+
+
+class _Command(_PlainTypes, typer.core.TyperCommand):
+    pass
+
+
+class _Group(_PlainTypes, typer.core.TyperGroup):
+    pass
+
+
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
-    no_args_is_help=True,
+    invoke_without_command=True,  # bare `mtcli` prints the help and exits 0, as git and pip do
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Train, run and score Transformer machine-translation models from one config file.",
 )
-data_app = typer.Typer(no_args_is_help=True, help="Prepare corpora: download, SentencePiece, encode, cache.")
+data_app = typer.Typer(
+    cls=_Group, invoke_without_command=True, help="Prepare corpora: download, SentencePiece, encode, cache."
+)
 app.add_typer(data_app, name="data", help="Prepare a corpus: fetch, fit SentencePiece, encode, cache.")
 
 ConfigOpt = typer.Option(
@@ -59,10 +91,19 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+def _help_when_bare(ctx: typer.Context) -> None:
+    """A group called without a command prints its help and exits 0 (click's no_args_is_help exits 2)."""
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit()
+
+
 @app.callback()
 def _main(
+    ctx: typer.Context,
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
 ):
+    _help_when_bare(ctx)
     from mtcli.device import keep_freed_memory, keep_onednn_kernels
     from mtcli.log import setup_logging
 
@@ -71,7 +112,12 @@ def _main(
     keep_onednn_kernels()
 
 
-@data_app.command("prepare", short_help="Fetch, clean, fit SentencePiece, encode and cache every split.")
+@data_app.callback()
+def _data(ctx: typer.Context):
+    _help_when_bare(ctx)
+
+
+@data_app.command("prepare", cls=_Command, short_help="Fetch, clean, fit SentencePiece, encode and cache every split.")
 def data_prepare(
     config: str = ConfigOpt,
     overrides: list[str] = SetOpt,
@@ -89,7 +135,7 @@ def data_prepare(
     logger.info(describe_batches(prepare(cfg, force=force).split("train"), cfg.train.max_tokens, cfg.train.seed))
 
 
-@app.command(short_help="Train a model from a config (prepares the data first).")
+@app.command(cls=_Command, short_help="Train a model from a config (prepares the data first).")
 def train(
     config: str = ConfigOpt,
     overrides: list[str] = SetOpt,
@@ -113,7 +159,7 @@ def train(
         raise typer.Exit(130 if result.stopped_by == "SIGINT" else 143)
 
 
-@app.command(short_help="Translate sentences, a file or stdin.")
+@app.command(cls=_Command, short_help="Translate sentences, a file or stdin.")
 def translate(
     text: list[str] = typer.Argument(None, help="Sentences to translate; `-` or none with a pipe reads stdin."),
     run: Path = RunOpt,
@@ -162,7 +208,9 @@ def translate(
     translate_source(translator, decode, source, output_file, force)
 
 
-@app.command("eval", short_help="Score a split or files: BLEU, chrF, chrF++, TER; confidence, paired tests.")
+@app.command(
+    "eval", cls=_Command, short_help="Score a split or files: BLEU, chrF, chrF++, TER; confidence, paired tests."
+)
 def evaluate(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
@@ -219,7 +267,7 @@ def evaluate(
     print(json.dumps(result, indent=1, ensure_ascii=False) if as_json else format_report(result))
 
 
-@app.command(short_help="Average a run's last N checkpoints into a new one.")
+@app.command(cls=_Command, short_help="Average a run's last N checkpoints into a new one.")
 def average(
     run: Path = typer.Option(..., "--run", help="Run directory."),
     last: int = typer.Option(5, "--last", help="Average the last N numbered checkpoints."),
@@ -237,7 +285,7 @@ def average(
     print(average_last(run, last, output, force))
 
 
-@app.command(short_help="Export a checkpoint to Hugging Face Transformers or CTranslate2.")
+@app.command(cls=_Command, short_help="Export a checkpoint to Hugging Face Transformers or CTranslate2.")
 def export(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
@@ -249,7 +297,7 @@ def export(
     ),
 ):
     """Export a checkpoint: a Hugging Face Transformers directory (AutoModelForSeq2SeqLM + AutoTokenizer) or a
-    CTranslate2 model directory with the SentencePiece model beside it. Needs: pip install 'mtcli[export]'.
+    CTranslate2 model directory with the SentencePiece model beside it. Needs: pip install 'mtcli\\[export]'.
 
     Example: mtcli export --run runs/toy --format hf --out toy-hf
     (or --format ctranslate2 --quantization int8 --out toy-ct2)
@@ -268,7 +316,11 @@ def export(
     print(export_hf(ckpt, out, force) if format == "hf" else export_ctranslate2(ckpt, out, quantization, force))
 
 
-@app.command("import", short_help="Import a Hugging Face MarianMT (opus-mt) model as an mtcli run.")
+@app.command(
+    "import",
+    cls=_Command,
+    short_help="Import a Hugging Face MarianMT (opus-mt) model, or an mtcli HF export, as a run.",
+)
 def import_model(
     hf: str = typer.Option(
         ..., "--hf", help="A MarianMT model folder, or a Hub name such as Helsinki-NLP/opus-mt-en-de."
@@ -288,7 +340,7 @@ def import_model(
     print(import_marian(hf, out, revision, force))
 
 
-@app.command(short_help="Draw the cross-attention of a translation as a heat map.")
+@app.command(cls=_Command, short_help="Draw the cross-attention of a translation as a heat map.")
 def attention(
     sentence: str = typer.Argument(..., help="The sentence to translate."),
     out: Path = typer.Option(
@@ -302,7 +354,7 @@ def attention(
     force: bool = typer.Option(False, "--force", help="Replace an existing --out picture."),
 ):
     """Translate a sentence (greedy) and draw which source pieces each output piece attended to. Needs matplotlib:
-    pip install 'mtcli[plot]'.
+    pip install 'mtcli\\[plot]'.
 
     Example: mtcli attention "I love apples" --run runs/toy --out attn.png --layer 1
     """
@@ -316,7 +368,7 @@ def attention(
     print(plot_attention(result, out, layer, head, force))
 
 
-@app.command(short_help="Serve a model over HTTP: LibreTranslate's API, batching, a page to try it.")
+@app.command(cls=_Command, short_help="Serve a model over HTTP: LibreTranslate's API, batching, a page to try it.")
 def serve(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,

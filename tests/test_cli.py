@@ -39,6 +39,19 @@ def test_help_lists_every_command_and_each_shows_an_example():
         assert "Example:" in invoke(*command, "--help").output, command
 
 
+def test_help_shows_extras_and_plain_types_and_a_bare_command_exits_0():
+    assert "pip install 'mtcli[export]'" in invoke("export", "--help").output  # not swallowed as markup
+    assert "pip install 'mtcli[plot]'" in invoke("attention", "--help").output
+    assert "pip install 'mtcli[serve]'" in invoke("serve", "--help").output
+    for command in (["translate"], ["eval"], ["train"], ["export"], ["data", "prepare"]):
+        text = invoke(*command, "--help").output
+        assert "<bool>" not in text and "<list[" not in text, (command, text)
+    assert "<path>" in invoke("translate", "--help").output  # --ensemble: the element's type
+    for bare in ([], ["data"]):
+        result = CliRunner().invoke(app, bare)
+        assert result.exit_code == 0 and "Usage:" in result.output and "Commands" in result.output, result.output
+
+
 @pytest.mark.slow
 def test_errors_are_one_line_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
