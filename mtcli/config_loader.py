@@ -6,6 +6,7 @@ and YAML aliases may not expand a document by more than MAX_ALIAS_EXPANSION (a "
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -130,8 +131,10 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), n
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode")
     tree.setdefault("name", path.stem)
-    _apply_overrides(tree, overrides)
-    config = config_from_dict(tree, source=str(path))
+    config = config_from_dict(copy.deepcopy(tree), source=str(path))  # the file alone: its own mistakes name it
+    if overrides:  # the file is valid, so what fails now is an override's doing: name --set, not the file
+        _apply_overrides(tree, overrides)
+        config = config_from_dict(tree, source="--set")
     try:
         if need_source:
             config.data.check_source()

@@ -149,6 +149,12 @@ def test_set_checks_keys_and_values_like_the_file(tmp_path):
     assert "did you mean `train.lr`?" in error_of(path, ["train.lrr=1"])
     assert error_of(path, ["model.dropout=-1"]).startswith("model.dropout")
     assert error_of(path, ["train.max_updates=abc"]).startswith("train.max_updates")
+    # a --set mistake is blamed on --set, not on the (valid) file; the file's own mistakes still name the file
+    for item in ("train.lrr=1", "model.dropout=-1", "train.max_updates=abc"):
+        message = error_of(path, [item])
+        assert "--set" in message and str(path) not in message, message
+    broken = write(tmp_path, minimal(model={"d_modle": 256}))
+    assert str(broken) in error_of(broken, ["train.lr=1e-3"])
 
 
 @pytest.mark.parametrize("name", ["multi30k.yaml", "multi30k", "configs/multi30k.yaml"])
