@@ -84,42 +84,63 @@ def plot_attention(
     w = result.weights if layer is None else result.weights[layer : layer + 1]
     w = (w if head is None else w[:, head : head + 1]).mean(dim=(0, 1))
     what = f"layer {layer if layer is not None else 'mean'}, head {head if head is not None else 'mean'}"
-    rows, cols = len(result.target), len(result.source)
-    fig, ax = plt.subplots(figsize=(max(4, 0.45 * cols + 2), max(3, 0.45 * rows + 1.5)))
-    ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=float(w.max()), aspect="auto")
-    ax.set_xticks(range(cols), result.source, rotation=60, ha="right")
-    ax.set_yticks(range(rows), result.target)
-    ax.set_xlabel("source pieces")
-    ax.set_ylabel("output pieces")
-    ax.set_title(f"cross-attention ({what})", fontsize=10)
-    has_font = _use_cjk_font(plt, result.source + result.target)
     out = Path(out)
     check_file_target(out, force, option="--out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    picture_format = out.suffix.lstrip(".").lower() or "png"
-    if picture_format not in fig.canvas.get_supported_filetypes():
+    families, uncovered = fonts_for(result.source + result.target)
+    with plt.rc_context({"font.family": families}):
+        rows, cols = len(result.target), len(result.source)
+        fig, ax = plt.subplots(figsize=(max(4, 0.45 * cols + 3), max(3, 0.45 * rows + 1.5)))
+        image = ax.imshow(w.numpy(), cmap="Blues", vmin=0.0, vmax=float(w.max()), aspect="auto")
+        fig.colorbar(image, ax=ax, label="attention weight", fraction=0.05, pad=0.03)
+        ax.set_xticks(range(cols), result.source, rotation=60, ha="right")
+        ax.set_yticks(range(rows), result.target)
+        ax.set_xlabel("source pieces")
+        ax.set_ylabel("output pieces")
+        ax.set_title(f"cross-attention ({what})", fontsize=10)
+        picture_format = out.suffix.lstrip(".").lower() or "png"
+        if picture_format not in fig.canvas.get_supported_filetypes():
+            plt.close(fig)
+            raise MtcliError(f"--out {out}: .{picture_format} is not a picture format (use .png, .svg or .pdf)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings(), new_file(out, force, option="--out", binary=True) as handle:
+            if uncovered:
+                warnings.simplefilter("ignore")  # one "missing glyph" warning per character otherwise
+                logger.warning(
+                    f"note: no installed font has {uncovered[:12]!r}: those labels show as boxes; install one that "
+                    "does (Debian: fonts-noto-cjk for Chinese, Japanese and Korean, fonts-noto for most other scripts)"
+                )
+            fig.tight_layout()
+            fig.savefig(handle, dpi=120, format=picture_format)
         plt.close(fig)
-        raise MtcliError(f"--out {out}: .{picture_format} is not a picture format (use .png, .svg or .pdf)")
-    with warnings.catch_warnings(), new_file(out, force, option="--out", binary=True) as handle:
-        if not has_font:
-            warnings.simplefilter("ignore")  # one "missing glyph" warning per character otherwise
-            logger.warning("note: no CJK font found (e.g. apt install fonts-noto-cjk): those labels show as boxes")
-        fig.tight_layout()
-        fig.savefig(handle, dpi=120, format=picture_format)
-    plt.close(fig)
     return out
 
 
-def _use_cjk_font(plt, labels: list[str]) -> bool:
-    """Chinese or Japanese pieces need a font that has them: use one if the system has one. False when one is needed
-    and none is found."""
-    if not any(ord(ch) > 0x2E80 for label in labels for ch in label):
-        return True
+def fonts_for(labels: list[str]) -> tuple[list[str], str]:
+    """The font families to draw `labels` with: the default one, then installed fonts that have the characters it
+    lacks (matplotlib falls back glyph by glyph through the list), fewest first; and the characters no installed font
+    has. Matplotlib's own "Last Resort" font draws every character as a box, so it never counts."""
+    import matplotlib
     from matplotlib import font_manager
 
-    names = {f.name for f in font_manager.fontManager.ttflist}
-    for candidate in ("Noto Sans CJK SC", "Noto Sans CJK JP", "WenQuanYi Zen Hei", "Droid Sans Fallback"):
-        if candidate in names:
-            plt.rcParams["font.sans-serif"] = [candidate, *plt.rcParams["font.sans-serif"]]
-            return True
-    return False
+    default = font_manager.findfont(font_manager.FontProperties(family=matplotlib.rcParams["font.family"]))
+    families = [font_manager.get_font(default).family_name]
+    missing = {ord(ch) for label in labels for ch in label if not ch.isspace()} - _charmap(default)
+    fonts = {f.name: f.fname for f in font_manager.fontManager.ttflist if "last resort" not in f.name.lower()}
+    covers = {name: missing & _charmap(path) for name, path in fonts.items()} if missing else {}
+    while missing:
+        name = max(covers, key=lambda n: len(covers[n] & missing), default=None)
+        if name is None or not covers[name] & missing:
+            break
+        families.append(name)
+        missing -= covers[name]
+    return families, "".join(sorted(map(chr, missing)))
+
+
+def _charmap(path: str) -> set[int]:
+    """The code points a font file has glyphs for (none when it cannot be read)."""
+    from matplotlib import font_manager
+
+    try:
+        return set(font_manager.get_font(path).get_charmap())
+    except (OSError, RuntimeError, ValueError):
+        return set()

@@ -163,6 +163,32 @@ def test_attention_weights_reproduce_sdpa_and_make_a_picture(toy_run, tmp_path):
     assert not os.path.exists(tmp_path / "bad.png")
 
 
+def test_attention_pictures_find_a_font_for_every_script_or_say_which_package_has_one(tmp_path, log):
+    """Labels the default font lacks are drawn with an installed font that has them (a character found in some
+    installed font but not in the default one stands for Chinese on a machine with a CJK font); characters no
+    installed font has are named in one line with the package that gives them, never silently drawn as boxes."""
+    matplotlib = pytest.importorskip("matplotlib", reason="the plot extra is not installed")
+    from matplotlib import font_manager
+
+    from mtcli.pictures import AttentionMap, _charmap, fonts_for, plot_attention
+
+    default = font_manager.findfont(font_manager.FontProperties(family=matplotlib.rcParams["font.family"]))
+    own = _charmap(default)
+    others = {f.name: _charmap(f.fname) - own for f in font_manager.fontManager.ttflist if "Last" not in f.name}
+    name, extra = max(others.items(), key=lambda item: len(item[1]))
+    if extra:
+        char = chr(min(c for c in extra if chr(c).isprintable() and not chr(c).isspace()))
+        families, uncovered = fonts_for(["love", char])
+        assert len(families) == 2 and uncovered == "" and ord(char) in _charmap(font_manager.findfont(families[1]))
+    assert fonts_for(["I love apples"]) == ([font_manager.get_font(default).family_name], "")
+    unknown = chr(0x10FFFD)  # a private-use code point: no font has it
+    assert fonts_for(["我", unknown])[1].endswith(unknown)
+    result = AttentionMap(["▁I", "▁love", "</s>"], ["▁我", unknown], torch.rand(1, 1, 2, 3), "我")
+    plot_attention(result, tmp_path / "attn.png")
+    notes = [line for line in log if line.startswith("note: no installed font has")]
+    assert len(notes) == 1 and "fonts-noto" in notes[0] and "U0010fffd" in notes[0]
+
+
 def test_hugging_face_greedy_equals_mtcli_on_random_toy_sentences(toy_run, tmp_path, monkeypatch):
     """51 random sentences of toy-vocabulary words: nonsense, so the model often loops until a length limit. With the
     same limit (64 new tokens), Transformers' greedy `generate` gives mtcli's greedy tokens on every line. Under
