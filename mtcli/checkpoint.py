@@ -98,6 +98,14 @@ def best_checkpoint(run_dir: Path) -> Path | None:
     return path
 
 
+def best_metric(run_dir: Path) -> str | None:
+    """What best.json's pick was made by: a validation metric (bleu, loss, ...) or "imported"."""
+    try:
+        return json.loads((checkpoint_dir(run_dir) / "best.json").read_text(encoding="utf-8")).get("metric")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, RecursionError):
+        return None
+
+
 def best_name(run_dir: Path) -> str | None:
     """The checkpoint folder name in a run's best.json (None without one); a damaged file is a one-line error."""
     pointer = checkpoint_dir(run_dir) / "best.json"
@@ -434,7 +442,10 @@ def resolve_checkpoint(run: Path | str | None = None, checkpoint: Path | str | N
     ckpt = best or last_checkpoint(run)
     if ckpt is None:
         raise MtcliError(f"run {run} has no checkpoint yet; train it first (mtcli train ... --run-dir {run})")
-    which = "best by validation" if best else "newest; no validation yet"
+    if best is None:
+        which = "newest; no validation yet"
+    else:  # an imported run's only checkpoint was never validated: say what it is
+        which = "the imported model" if best_metric(run) == "imported" else "best by validation"
     logger.info(f"checkpoint: {ckpt} ({which}{', latest run under ./runs' if latest else ''})")
     return ckpt
 

@@ -20,8 +20,10 @@ What cannot be expressed exactly is refused with the reason, never exported appr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -124,11 +126,26 @@ def export_hf(checkpoint: Path, out: Path, force: bool = False) -> Path:
         length_penalty=config.decode.lenpen,
         max_length=c.max_positions,
     )
-    with new_folder(out, "export --format hf", force) as folder:
+    with new_folder(out, "export --format hf", force) as folder, _quiet(transformers):
         hf_model.save_pretrained(folder)
         _save_hf_tokenizer(tokenizer, config, folder, transformers)
     logger.info(f"exported {checkpoint} as {type(hf_model).__name__} ({c.norm}-norm) to {out}")
     return out
+
+
+@contextlib.contextmanager
+def _quiet(transformers):
+    """Without Transformers' progress bar ("Writing model shards") and its advice to install sacremoses (which
+    MarianTokenizer never uses for SentencePiece models): the export reports its own result."""
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+            yield
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -12,6 +12,11 @@ from tqdm import tqdm
 logger = logging.getLogger("mtcli")
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 sentence`, `2 sentences`, `1,024 requests`: a count with its noun in the right number."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 class _ConsoleHandler(logging.Handler):
     """Messages to stderr through tqdm, so that they land above a live progress bar instead of through it."""
 

@@ -112,6 +112,7 @@ def new_folder(target: Path, command: str, force: bool = False, option: str = "-
         yield tmp
         files = [f for f in _files_under(tmp) if f != MANIFEST]
         (tmp / MANIFEST).write_text(json.dumps({"command": command, "files": files}, indent=1), encoding="utf-8")
+        _usual_permissions(tmp, files, (tmp / MANIFEST).stat().st_mode & 0o777)
         _durable(tmp)
         check_folder_target(target, command, force, option)  # again: something may have appeared meanwhile
         _replace_folder(tmp, target)
@@ -121,6 +122,15 @@ def new_folder(target: Path, command: str, force: bool = False, option: str = "-
         for parent in [] if done else reversed(made):  # a failure leaves no empty folders behind either
             with contextlib.suppress(OSError):
                 parent.rmdir()
+
+
+def _usual_permissions(folder: Path, files: list[str], mode: int) -> None:
+    """Give the files a library wrote owner-only (Transformers' model.safetensors, through mkstemp: 0600) `mode`,
+    the one a new file gets under the user's umask, so the output can be shared like everything else they write."""
+    for name in files:
+        path = folder / name
+        if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
+            path.chmod(mode)
 
 
 def write_file_atomic(path: Path, data: str | bytes) -> None:

@@ -21,11 +21,10 @@ import threading
 import time
 from dataclasses import replace
 from importlib import resources
-from pathlib import Path
 
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
-from mtcli.log import logger
+from mtcli.log import counted, logger
 from mtcli.segment import Segments, join, split_html, split_text
 from mtcli.serve_requests import (
     NATIVE_FIELDS,
@@ -127,7 +126,7 @@ class Server:
             "model": {
                 "source": self.src,
                 "target": self.tgt,
-                "checkpoint": str(Path(*t.checkpoint.parts[-3:])) if t.checkpoint else None,  # run/checkpoints/name
+                "checkpoint": str(t.checkpoint) if t.checkpoint else None,  # as given: run folder included
                 "ensemble": len(t.ensemble) + 1,
                 "precision": t.precision,
             },
@@ -391,6 +390,7 @@ def serve(translator, decode: DecodeConfig, limits: ServeLimits, host: str = "12
     finally:
         thread.join()
         m = server.metrics
-        logger.info(f"stopped: answered {m.answered} of {m.accepted} accepted requests, {m.sentences:,} sentences")
+        accepted, sentences = counted(m.accepted, "accepted request"), counted(m.sentences, "sentence")
+        logger.info(f"stopped: answered {m.answered:,} of {accepted}, {sentences}")
     if not http.started:
         raise MtcliError(f"the HTTP server on {host}:{port} did not start (see the messages above)")

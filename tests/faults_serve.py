@@ -104,10 +104,10 @@ class Server:
 
     def answered(self) -> tuple[int, int]:
         """The server's own count at exit: (answered, accepted)."""
-        match = re.search(r"answered (\d+) of (\d+) accepted", "".join(self.log))
+        match = re.search(r"answered ([\d,]+) of ([\d,]+) accepted", "".join(self.log))
         if not match:
             raise RuntimeError(f"no count of answered requests in the log: {''.join(self.log)[-500:]}")
-        return int(match[1]), int(match[2])
+        return int(match[1].replace(",", "")), int(match[2].replace(",", ""))
 
 
 def slow_upload(port: int) -> socket.socket:

@@ -260,3 +260,15 @@ def test_decode_settings_from_set_and_what_was_picked(toy_run):
     result = json.loads(invoke("eval", "--run", toy_run, "--set", "decode.beam=1", "--lowercase", "--json").stdout)
     assert result["beam"] == 1 and "case:lc" in result["signature"] and "-tok zh" in result["command"]
     assert "-lc --chrf-lowercase" in result["command"]
+
+
+def test_counts_agree_with_their_nouns():
+    """What the server says when it stops ("answered 1 of 1 accepted request, 1 sentence"), never "1 sentences"."""
+    from mtcli.log import counted
+
+    assert [counted(n, "sentence") for n in (0, 1, 2, 1024)] == [
+        "0 sentences",
+        "1 sentence",
+        "2 sentences",
+        "1,024 sentences",
+    ]

@@ -226,17 +226,23 @@ def test_hugging_face_greedy_equals_mtcli_on_random_toy_sentences(toy_run, tmp_p
 
 
 @pytest.mark.parametrize("fixture", ["toy_run", "post_norm_run", "separate_vocab_run"])
-def test_exported_model_imports_back_with_the_same_translations(fixture, request, tmp_path, monkeypatch):
+def test_exported_model_imports_back_with_the_same_translations(fixture, request, tmp_path, monkeypatch, capfd):
     """mtcli -> MarianMT (post-norm) or Blenderbot (pre-norm) -> mtcli: the imported run (its own special ids 0-3,
     vocab.json over mtcli's pieces) has the original's architecture and translates every test sentence as the
-    original, greedy and beam."""
+    original, greedy and beam. The export's weights are readable as its other files are (Transformers wrote them
+    owner-only), without Transformers' progress bar or advice on the way; the import is called what it is."""
     pytest.importorskip("transformers", reason="the export extra is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = request.getfixturevalue(fixture)
     invoke("export", "--run", run, "--format", "hf", "--out", tmp_path / "hf")
+    mode = (tmp_path / "hf" / "config.json").stat().st_mode
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode == mode
+    printed = "".join(capfd.readouterr())
+    assert "Writing model shards" not in printed and "sacremoses" not in printed, printed
     invoke("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back")
     original = Translator.from_run(run, device="cpu", precision="fp32")
     back = Translator.from_run(tmp_path / "back", device="cpu", precision="fp32")
+    assert "(the imported model)" in capfd.readouterr().err  # never "best by validation": it was not validated
     assert back.model.specials == original.model.specials
     assert (back.config.model.norm, back.config.model.positions) == (original.config.model.norm, "sinusoidal")
     sources, _ = eval_texts(original.config, "test")

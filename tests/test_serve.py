@@ -228,10 +228,11 @@ def test_hostile_bodies_get_a_4xx_and_the_server_carries_on(server):
 
 
 @pytest.mark.slow
-def test_health_metrics_and_page(server):
+def test_health_metrics_and_page(server, toy_run):
     server.post("/translate", {"q": ["I love apples", "Do you like tea?"], **LIBRE})
     health = server.request("GET", "/health")[2]
     assert health["status"] == "ok" and health["model"]["source"] == "en" and health["queue"]["limit"] == 4096
+    assert Path(health["model"]["checkpoint"]).parents[1] == Path(toy_run)  # the run folder, as it was given
     status, headers, metrics = server.request("GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     assert re.search(r'^mtcli_requests_total\{route="/translate",status="200"\} \d+$', metrics, re.M)
