@@ -203,7 +203,8 @@ class Server:
         positions into pieces that fit (as `mtcli translate --split-long` does), the pieces translated by the
         worker, and all joined back."""
         segments = [self.cut(text, fmt, split) for text in texts]
-        sentences = [piece for s in segments for piece in s.pieces]
+        # HTML: each inline element's text is translated too, to find its words in the sentence's translation
+        sentences = [piece for s in segments for piece in [*s.pieces, *s.mark_texts()]]
         self.check_count(len(sentences), "sentences")
         t = self.translator
         ids = t.source_ids(sentences, decode)  # one call for all: a 1 MiB body takes a tenth of a second or so
@@ -224,7 +225,12 @@ class Server:
         hyps = iter(await self.run(request, pieces, lengths, decode) if pieces else [])
         sep = "" if self.tgt.lower() in CJK_LANGS else " "
         whole = iter([combine_nbest([next(hyps) for _ in parts], sep.join) for parts in cut])
-        return [combine_nbest([next(whole) for _ in s.pieces], lambda t, s=s: join(s, t, self.tgt)) for s in segments]
+        results = []
+        for s in segments:
+            pieces = [next(whole) for _ in s.pieces]
+            marks = [next(whole)[0].text for _ in s.mark_texts()]
+            results.append(combine_nbest(pieces, lambda t, s=s, marks=marks: join(s, t, self.tgt, marks)))
+        return results
 
     def check_count(self, count: int, what: str) -> None:
         if count > self.limits.max_sentences:

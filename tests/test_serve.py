@@ -62,6 +62,43 @@ def test_html_keeps_markup_and_escapes_translations():
     assert out.startswith('<p class="x">&lt;1&gt; 2 &amp; 3</p><pre>') and out.endswith("<br/>4")
 
 
+def test_html_inline_elements_stay_in_their_sentence_and_round_trip_exactly():
+    """Inline elements (nested, links with entities in their attributes) no longer cut the sentence: the model gets
+    `I love apples and green pears.` whole, and each element's own text besides; translated as themselves, the
+    texts give back the source byte for byte. Tags that do not pair up inside a block keep the old cut (each text
+    run alone), also exactly."""
+    source = (
+        '<p>I love <b>apples</b> and <a href="/x?a=1&amp;b=2">green <i>pears</i></a>.</p>'
+        "<p>Tom &amp; <em>Jerry</em> &lt;3 <span><b>cats</b></span>.</p><ul><li>Hi <u>there</u></li></ul>"
+        "<p>I love <b>apples</p>"
+    )
+    segments = split_html(source, "en")
+    assert segments.pieces == ["I love apples and green pears.", "Tom & Jerry <3 cats.", "Hi there", "I love", "apples"]
+    assert segments.mark_texts() == ["apples", "green pears", "pears", "Jerry", "cats", "cats", "there"]
+    assert join(segments, segments.pieces, "en") == source
+
+
+def test_html_inline_elements_go_around_the_words_that_translate_them():
+    segments = split_html('<p>I love <b>apples</b> and <a href="x">green <i>pears</i></a>.</p>', "en")
+    zh = join(segments, ["我喜欢苹果和绿色的梨。"], "zh", ["苹果", "绿色的梨", "梨"])
+    assert zh == '<p>我喜欢<b>苹果</b>和<a href="x">绿色的<i>梨</i></a>。</p>'
+    fr = join(segments, ["J'aime les pommes et les poires vertes."], "fr", ["pommes", "poires vertes", "poires"])
+    assert fr == '<p>J\'aime les <b>pommes</b> et les <a href="x"><i>poires</i> vertes</a>.</p>'  # order changed
+    # inflected alone and in the sentence: the shared characters find them, whole words only
+    de = join(segments, ["Ich liebe Äpfel und grüne Birnen."], "de", ["Apfel", "grünen Birnen", "Birne"])
+    assert de == '<p>Ich liebe <b>Äpfel</b> und <a href="x">grüne <i>Birnen</i></a>.</p>'
+    # nothing in common: the same relative place, still nested, siblings apart, every tag kept and escaped text
+    odd = join(segments, ["Ich mag <Obst> sehr."], "de", ["xyz", "qqq", "zzz"])
+    assert odd.count("<b>") == odd.count("</b>") == 1 and odd.count("<i>") == 1
+    assert html.unescape(re.sub(r"<[^>]+>", "", odd)) == "Ich mag <Obst> sehr."  # the text is the translation
+    assert re.search(r'<a href="x">[^<]*<i>[^<]*</i>[^<]*</a>', odd), odd
+    # an element across two sentences is closed and reopened at the sentence end, never across the space
+    segments = split_html("<p><b>First one. Second</b> one.</p>", "en")
+    assert join(segments, ["Erstens.", "Zweitens eins."], "de", ["Zweitens"]) == (
+        "<p><b>Erstens.</b> <b>Zweitens</b> eins.</p>"
+    )
+
+
 @pytest.mark.parametrize(
     "markup",
     [
@@ -225,6 +262,19 @@ def test_hostile_bodies_get_a_4xx_and_the_server_carries_on(server):
     disconnecting.request("POST", "/translate", json.dumps({"q": SENTENCES, **LIBRE}).encode())
     disconnecting.close()
     assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
+
+
+@pytest.mark.slow
+def test_html_inline_elements_come_back_around_their_translation(server):
+    """`I love <b>apples</b>` was translated as two sentences (我喜欢狗 <b>吗？</b>); now as one, with the element
+    around the words that translate its text, in the plain API and the native one."""
+    html_text = '<p>I love <b>apples</b></p><p>Do you like <a href="/t?x=1&amp;y=2">tea</a>?</p>'
+    plain = server.post("/translate", {"q": "I love apples", **LIBRE})[2]["translatedText"]
+    answer = server.post("/translate", {"q": html_text, **LIBRE, "format": "html"})[2]["translatedText"]
+    assert answer.startswith(f"<p>{plain[:-2]}<b>{plain[-2:]}</b></p>"), answer  # 我喜欢<b>苹果</b>
+    assert answer.count('<a href="/t?x=1&amp;y=2">') == 1 and answer.endswith("</p>"), answer
+    native = server.post("/v1/translate", {"texts": [html_text], "format": "html"})[2]["translations"][0]["text"]
+    assert native == answer
 
 
 @pytest.mark.slow
