@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import http.client
 import json
+import random
 import re
 import signal
 import threading
@@ -97,6 +98,39 @@ def test_html_inline_elements_go_around_the_words_that_translate_them():
     assert join(segments, ["Erstens.", "Zweitens eins."], "de", ["Zweitens"]) == (
         "<p><b>Erstens.</b> <b>Zweitens</b> eins.</p>"
     )
+
+
+def test_html_inline_placement_never_breaks_the_markup_whatever_the_translations():
+    """Random nested inline elements and random translations (of any length, sharing words or not): the output's
+    tags always pair up and nest as in the source, and its text is exactly the translations and the glue."""
+    rng = random.Random(0)
+    words = ["I", "love", "apples", "Tom", "eats", "green", "fish", "tea", "x", "Äpfel", "猫", "&", "<3", "2"]
+
+    def fragment(depth):
+        out = []
+        for _ in range(rng.randint(1, 4)):
+            if depth < 3 and rng.random() < 0.4:
+                tag = rng.choice(["b", "i", "a", "span"])
+                out.append(f"<{tag}>{fragment(depth + 1)}</{tag}>")
+            else:
+                out.append(html.escape(" ".join(rng.choices(words, k=rng.randint(0, 3))), quote=False))
+            out.append(rng.choice(["", " ", ". ", "? "]))
+        return "".join(out)
+
+    for _ in range(200):
+        source = f"<p>{fragment(0)}</p>"
+        segments = split_html(source, "en")
+        translations = [" ".join(rng.choices(words, k=rng.randint(0, 6))) for _ in segments.pieces]
+        marks = [" ".join(rng.choices(words, k=rng.randint(0, 2))) for _ in segments.mark_texts()]
+        out = join(segments, translations, rng.choice(["de", "zh"]), marks)
+        for tag in ("b", "i", "a", "span"):
+            assert source.count(f"<{tag}>") <= out.count(f"<{tag}>") == out.count(f"</{tag}>"), (source, out)
+        depth = 0
+        for match in re.finditer(r"<(/?)[a-z]+>", out):
+            depth += -1 if match[1] else 1
+            assert depth >= 0, (source, out)
+        text = html.unescape(re.sub(r"<[^>]+>", "", out))
+        assert all(t in text for t in translations), (source, translations, out)
 
 
 @pytest.mark.parametrize(
