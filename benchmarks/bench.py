@@ -293,7 +293,6 @@ def peer_training() -> dict:
     return peers
 
 
-@contextmanager
 def same_model_decoding(rounds: int) -> dict:
     """mtcli and CTranslate2 decoding the same exported model (benchmarks/decode_vs_ct2.py), its figures."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -303,6 +302,7 @@ def same_model_decoding(rounds: int) -> dict:
         return json.loads(out.read_text())
 
 
+@contextmanager
 def cpu_lock():
     """The peers' CPU lock (../shared/peers/README.md): no peer runs while mtcli is timed, and the reverse."""
     LOCK.parent.mkdir(parents=True, exist_ok=True)
