@@ -10,7 +10,7 @@ TORCH ?= auto
 EXTRAS ?= dev,tensorboard,export,plot,serve,langid
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast smoke lint bench bench-serve faults clean
+.PHONY: install test test-fast smoke lint bench bench-serve quality faults clean
 
 install: $(VENV)/.installed
 
@@ -46,6 +46,11 @@ lint: install
 
 bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+# Test BLEU after 800 updates of the benchmark spec (seeds 1 2, fp32) beside HF Marian's from ../shared/peers in the
+# same run: the guard against quality regressions at the peers' budget (~35 min for mtcli, ~25 for HF Marian).
+quality: install
+	$(BIN)/python benchmarks/quality.py $(QUALITY_ARGS)
 
 # mtcli serve under 1, 8 and 64 concurrent clients on localhost (Multi30k test sentences): sentences/s and p50/p95/p99
 # latency, beside offline `mtcli translate --input` on the same sentences. BENCH_SERVE_ARGS=--run DIR picks the model.
