@@ -34,6 +34,7 @@ INLINE_TAGS = {
     "a", "abbr", "b", "bdi", "bdo", "big", "cite", "del", "dfn", "em", "font", "i", "ins", "kbd", "label", "mark",
     "q", "s", "samp", "small", "span", "strike", "strong", "sub", "sup", "time", "tt", "u", "var",
 }  # fmt: skip
+MAX_INLINE_DEPTH = 32  # inline elements nested deeper than this are handled as unpaired tags (no recursion limits)
 
 
 @dataclass
@@ -201,6 +202,8 @@ def _inline_tree(block: list[tuple[str, str, str]]) -> tuple[str, list[Mark]]:
             text.append(string)
             length += len(string)
         elif kind == "open":
+            if len(stack) > MAX_INLINE_DEPTH:  # hostile nesting: each text run alone, as for unpaired tags
+                return "".join(text), []
             stack.append((tag, length, string, []))
         elif len(stack) > 1 and stack[-1][0] == tag:
             _, start, opening, children = stack.pop()

@@ -77,6 +77,8 @@ def test_html_inline_elements_stay_in_their_sentence_and_round_trip_exactly():
     assert segments.pieces == ["I love apples and green pears.", "Tom & Jerry <3 cats.", "Hi there", "I love", "apples"]
     assert segments.mark_texts() == ["apples", "green pears", "pears", "Jerry", "cats", "cats", "there"]
     assert join(segments, segments.pieces, "en") == source
+    deep = "<p>" + "<b>" * 3000 + "I love apples" + "</b>" * 3000 + "</p>"  # no recursion limit reached
+    assert join(split_html(deep, "en"), ["I love apples"], "en") == deep
 
 
 def test_html_inline_elements_go_around_the_words_that_translate_them():
