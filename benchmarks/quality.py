@@ -15,7 +15,8 @@ tell a regression from a seed, so the guard compares means.
 
 Models are kept in benchmarks/cache/quality-seed<N> and trained again when the prepared data or the code of the
 mtcli package changes (a hash of mtcli/*.py): the guard is for code changes. About 18 minutes per seed (training,
-then six decodings) and 25 for HF Marian on 2 cores. `--no-peers` leaves HF Marian out.
+then six decodings) and 25 for HF Marian on 2 cores. `--no-peers` leaves HF Marian out; `--updates 20 --no-peers`
+checks the path in a few minutes (its figures mean nothing).
 """
 
 from __future__ import annotations
@@ -53,20 +54,18 @@ def code_stamp() -> str:
     return digest.hexdigest()
 
 
-def quality_model(seed: int) -> Path:
-    """The 800-update fp32 model of this seed, trained in a child process when missing or stale."""
-    run = CACHE / f"quality-seed{seed}"
+def quality_model(seed: int, updates: int) -> Path:
+    """The fp32 model of this seed after `updates` updates, trained in a child process when missing or stale."""
+    run = CACHE / f"quality-seed{seed}-{updates}"
     stamp_file = run / "quality-stamp"
-    stamp = json.dumps({"data": data_stamp(load_config(CONFIG).data), "code": code_stamp(), "seed": seed})
+    stamp = json.dumps(
+        {"data": data_stamp(load_config(CONFIG).data), "code": code_stamp(), "seed": seed, "updates": updates}
+    )
     ckpt = last_checkpoint(run) if run.is_dir() else None
-    if (
-        ckpt is None
-        or not ckpt.name.endswith(f"{DECODE_MODEL_UPDATES:08d}")
-        or not stamp_file.is_file()
-        or (stamp_file.read_text() != stamp)
-    ):
-        print(f"quality: training seed {seed} ({DECODE_MODEL_UPDATES} updates, fp32; kept in {run})", flush=True)
-        sets = [f"train.max_updates={DECODE_MODEL_UPDATES}", "train.precision=fp32", f"train.seed={seed}"]
+    fresh = ckpt is not None and ckpt.name.endswith(f"{updates:08d}")
+    if not (fresh and stamp_file.is_file() and stamp_file.read_text() == stamp):
+        print(f"quality: training seed {seed} ({updates} updates, fp32; kept in {run})", flush=True)
+        sets = [f"train.max_updates={updates}", "train.precision=fp32", f"train.seed={seed}"]
         sets += ["train.log_every=100"]
         command = [sys.executable, "-m", "mtcli", "train", "--config", str(CONFIG), "--run-dir", str(run)]
         shutil.rmtree(run, ignore_errors=True)  # benchmarks/cache is the benchmarks' own: a stale model goes
@@ -115,13 +114,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-peers", action="store_true", help="leave HF Marian out")
+    parser.add_argument(
+        "--updates", type=int, default=DECODE_MODEL_UPDATES, help="a few (e.g. 20) check the path; the figures need 800"
+    )
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "quality.json")
     args = parser.parse_args()
-    results: dict = {"machine": machine(), "spec": "M30K-small, 800 updates, fp32; test_2016_flickr, beam 5, lp 1.0"}
+    results: dict = {
+        "machine": machine(),
+        "spec": f"M30K-small, {args.updates} updates, fp32; test_2016_flickr, beam 5",
+    }
+    if args.updates != DECODE_MODEL_UPDATES and not args.no_peers:
+        sys.exit(f"quality: HF Marian is measured at {DECODE_MODEL_UPDATES} updates; with --updates add --no-peers")
     runs = {}
     for seed in args.seeds:
         with cpu_lock():  # the peers' lock: HF Marian never trains beside mtcli
-            runs[seed] = mtcli_bleu(quality_model(seed))
+            runs[seed] = mtcli_bleu(quality_model(seed, args.updates))
         print(f"quality: mtcli seed {seed}: {runs[seed]}", flush=True)
     for name in ("peers_lenpen", "chosen_lenpen"):
         scores = [r[f"test_bleu_{name}"] for r in runs.values()]
@@ -133,7 +140,7 @@ def main() -> None:
         results["peers_decode"] = peers
         results["hf_marian_bleu"] = round(peers["engines"]["hf_marian"]["beam5"]["bleu"], 2)
     args.json.write_text(json.dumps(results, indent=1) + "\n")
-    print(f"\nTest BLEU after {DECODE_MODEL_UPDATES} updates (M30K-small, fp32, beam 5), {results['machine']['cpu']}:")
+    print(f"\nTest BLEU after {args.updates} updates (M30K-small, fp32, beam 5), {results['machine']['cpu']}:")
     print(f"  {'':14} {'lp 1.0':>8} {'valid-chosen lp':>17}")
     for seed, r in runs.items():
         chosen = f"{r['test_bleu_chosen_lenpen']:.2f} (lp {r['chosen_lenpen']})"
