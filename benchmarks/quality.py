@@ -16,7 +16,7 @@ tell a regression from a seed, so the guard compares means.
 Models are kept in benchmarks/cache/quality-seed<N> and trained again when the prepared data or the code of the
 mtcli package changes (a hash of mtcli/*.py): the guard is for code changes. About 18 minutes per seed (training,
 then six decodings) and 25 for HF Marian on 2 cores. `--no-peers` leaves HF Marian out; `--updates 20 --no-peers`
-checks the path in a few minutes (its figures mean nothing).
+checks the path in a few minutes (its figures mean nothing); `--set model.norm=post` trains a variant of the spec.
 """
 
 from __future__ import annotations
@@ -54,19 +54,20 @@ def code_stamp() -> str:
     return digest.hexdigest()
 
 
-def quality_model(seed: int, updates: int) -> Path:
-    """The fp32 model of this seed after `updates` updates, trained in a child process when missing or stale."""
-    run = CACHE / f"quality-seed{seed}-{updates}"
+def quality_model(seed: int, updates: int, overrides: list[str]) -> Path:
+    """The fp32 model of this seed after `updates` updates (with `overrides` of bench.yaml), trained in a child
+    process when missing or stale."""
+    tag = hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8] if overrides else "spec"
+    run = CACHE / f"quality-seed{seed}-{updates}-{tag}"
     stamp_file = run / "quality-stamp"
-    stamp = json.dumps(
-        {"data": data_stamp(load_config(CONFIG).data), "code": code_stamp(), "seed": seed, "updates": updates}
-    )
+    data = data_stamp(load_config(CONFIG).data)
+    stamp = json.dumps({"data": data, "code": code_stamp(), "seed": seed, "updates": updates, "set": overrides})
     ckpt = last_checkpoint(run) if run.is_dir() else None
     fresh = ckpt is not None and ckpt.name.endswith(f"{updates:08d}")
     if not (fresh and stamp_file.is_file() and stamp_file.read_text() == stamp):
         print(f"quality: training seed {seed} ({updates} updates, fp32; kept in {run})", flush=True)
         sets = [f"train.max_updates={updates}", "train.precision=fp32", f"train.seed={seed}"]
-        sets += ["train.log_every=100"]
+        sets += ["train.log_every=100", *overrides]
         command = [sys.executable, "-m", "mtcli", "train", "--config", str(CONFIG), "--run-dir", str(run)]
         shutil.rmtree(run, ignore_errors=True)  # benchmarks/cache is the benchmarks' own: a stale model goes
         subprocess.run([*command, *[x for s in sets for x in ("--set", s)]], cwd=ROOT, check=True)
@@ -114,6 +115,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-peers", action="store_true", help="leave HF Marian out")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="e.g. model.norm=post")
     parser.add_argument(
         "--updates", type=int, default=DECODE_MODEL_UPDATES, help="a few (e.g. 20) check the path; the figures need 800"
     )
@@ -122,13 +124,14 @@ def main() -> None:
     results: dict = {
         "machine": machine(),
         "spec": f"M30K-small, {args.updates} updates, fp32; test_2016_flickr, beam 5",
+        "set": args.set,
     }
     if args.updates != DECODE_MODEL_UPDATES and not args.no_peers:
         sys.exit(f"quality: HF Marian is measured at {DECODE_MODEL_UPDATES} updates; with --updates add --no-peers")
     runs = {}
     for seed in args.seeds:
         with cpu_lock():  # the peers' lock: HF Marian never trains beside mtcli
-            runs[seed] = mtcli_bleu(quality_model(seed, args.updates))
+            runs[seed] = mtcli_bleu(quality_model(seed, args.updates, args.set))
         print(f"quality: mtcli seed {seed}: {runs[seed]}", flush=True)
     for name in ("peers_lenpen", "chosen_lenpen"):
         scores = [r[f"test_bleu_{name}"] for r in runs.values()]
