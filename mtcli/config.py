@@ -300,7 +300,10 @@ class TrainConfig:
 @dataclass(frozen=True)
 class DecodeConfig:
     beam: int = 4
-    lenpen: float = 0.6  # GNMT length penalty alpha; 0 disables
+    lenpen: float = 0.6  # length penalty alpha; 0 disables
+    # how lenpen normalizes a finished hypothesis' log-probability: gnmt, ((5 + length) / 6) ** lenpen (Wu et al.
+    # 2016; fairseq's and mtcli's recipes), or power, length ** lenpen (CTranslate2's, Transformers' generate)
+    length_norm: Literal["gnmt", "power"] = "gnmt"
     max_len_a: float = 2.0  # output length limit: a * source length + b (subwords), capped by model.max_positions
     max_len_b: int = 20
     min_len: int = 1  # output subwords before EOS is allowed (non-empty sources); 0 allows an empty output
@@ -325,6 +328,7 @@ class DecodeConfig:
         _check(1 <= self.nbest <= self.beam, "decode.nbest", f"must be between 1 and decode.beam ({self.beam})")
         # ((5 + length) / 6) ** lenpen overflows a float past ~70 at the longest outputs; tuned values are 0-2.
         _check(0 <= self.lenpen <= 10, "decode.lenpen", "must be between 0 and 10")
+        _check(self.length_norm in ("gnmt", "power"), "decode.length_norm", "must be gnmt or power")
         _check(self.max_len_a >= 0 and self.max_len_b >= 0, "decode.max_len_a", "max_len_a and max_len_b must be >= 0")
         _check(self.max_len_a > 0 or self.max_len_b > 0, "decode.max_len_b", "max_len_a and max_len_b cannot both be 0")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")

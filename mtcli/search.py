@@ -29,8 +29,11 @@ class Hypothesis:
     log_prob: float  # log-probability (with EOS)
 
 
-def length_penalty(length: torch.Tensor | int, alpha: float):
-    """GNMT's ((5 + length) / 6) ** alpha; alpha 0 gives 1 (no normalization)."""
+def length_penalty(length: torch.Tensor | int, alpha: float, norm: str = "gnmt"):
+    """What a hypothesis' log-probability is divided by (its length counts EOS): GNMT's ((5 + length) / 6) ** alpha,
+    or `power`, length ** alpha, as CTranslate2 and Transformers' generate; alpha 0 gives 1 (no normalization)."""
+    if norm == "power":
+        return float(length) ** alpha if isinstance(length, int) else length**alpha
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -114,6 +117,7 @@ def beam_search(
     min_len: int = 1,
     nbest: int = 1,
     no_repeat_ngram: int = 0,
+    length_norm: str = "gnmt",
 ) -> list[list[Hypothesis]]:
     """Beam search; returns the `nbest` best hypotheses per sentence, best first.
 
@@ -155,7 +159,7 @@ def beam_search(
         top_tokens = row_tokens.view(n, k * c).gather(1, top_ids)
         is_eos = (top_tokens == eos) & torch.isfinite(top_scores)
         # (4) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
-        penalty = length_penalty(step + 1, lenpen)
+        penalty = length_penalty(step + 1, lenpen, length_norm)
         _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, is_eos, k, penalty)
         # (5) The best k non-EOS candidates stay live.
         not_live = is_eos | ~torch.isfinite(top_scores)

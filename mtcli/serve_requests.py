@@ -32,6 +32,7 @@ NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with 
     "beam": int,
     "nbest": int,
     "lenpen": float,
+    "length_norm": str,
     "max_len_a": float,
     "max_len_b": int,
     "min_len": int,
@@ -127,10 +128,12 @@ def typed(name: str, value, kind: type):
         ok = isinstance(value, bool)
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is str:
+        ok = isinstance(value, str)
     else:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
     if not ok:
-        expected = {bool: "true or false", int: "an integer", float: "a number"}[kind]
+        expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
         raise HTTPError(400, f"{name}: expected {expected}, got {json_type(value)}")
     return value
 

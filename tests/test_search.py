@@ -65,6 +65,24 @@ def test_length_penalty_values():
     assert length_penalty(7, 0.6) == pytest.approx((12 / 6) ** 0.6)
 
 
+def test_power_length_norm_is_length_to_the_penalty_and_favours_longer_outputs():
+    """decode.length_norm power divides by length ** lenpen (CTranslate2, Transformers), GNMT by ((5 + length) / 6)
+    ** lenpen. At lenpen 1.0: the empty output (log 0.4, length 1) beats [4] (log 0.31 * 0.99, length 2) under GNMT
+    (-0.92 against -1.01), and loses under power (-0.92 against -0.59)."""
+    assert length_penalty(3, 1.0, "power") == 3.0 and length_penalty(3, 0.0, "power") == 1.0
+    assert length_penalty(torch.tensor([2.0, 4.0]), 0.5, "power").tolist() == pytest.approx([2**0.5, 2.0])
+    model = MockModel({(): {EOS: 0.4, 4: 0.31, 5: 0.29}, (4,): {EOS: 0.99, 6: 0.01}})
+    src, mask = src_batch([3])
+
+    def best(norm):
+        hyp = beam_search(model, src, mask, torch.tensor([5]), beam_size=3, lenpen=1.0, min_len=0, length_norm=norm)
+        return hyp[0][0]
+
+    assert best("gnmt").tokens == []
+    power = best("power")
+    assert power.tokens == [4] and power.score == pytest.approx(math.log(0.31 * 0.99) / 2, abs=1e-4)
+
+
 def test_beam_finds_what_greedy_misses_on_known_scores():
     # Greedy takes 4 (0.6) and then faces a flat distribution; beam 2 also keeps 5 (0.4), which ends with 0.99.
     table = {

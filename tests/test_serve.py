@@ -256,6 +256,10 @@ def test_native_route_takes_decode_settings_and_returns_scores(server):
     assert_error(server.post("/v1/translate", {"texts": ["x"], "beam": True}), 400, "beam: expected an integer")
     assert_error(server.post("/v1/translate", {"texts": ["x"], "beam": 2, "nbest": 3}), 422, "nbest")
     assert_error(server.post("/v1/translate", {"texts": ["x"], "lenpen": -1}), 422, "lenpen")
+    power = server.post("/v1/translate", {"texts": ["I love apples"], "length_norm": "power", "lenpen": 1.0})
+    assert power[0] == 200 and power[2]["decode"]["length_norm"] == "power", power
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "length_norm": "gmnt"}), 422, "gnmt or power")
+    assert_error(server.post("/v1/translate", {"texts": ["x"], "length_norm": 1}), 400, "expected a string")
     assert_error(server.post("/v1/translate", {"texts": "x", "format": "html", "split_sentences": False}), 422)
 
 
