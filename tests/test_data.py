@@ -282,7 +282,7 @@ def test_cli_config_error_exits_2_with_one_error_line(tmp_path, tiny_corpus):
     result = run_cli(tmp_path, "data", "prepare", "--config", str(config), "--set", "model.d_modle=64")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines() == [
-        f"error: unknown key `model.d_modle` in {config}; did you mean `model.d_model`?"
+        "error: unknown key `model.d_modle` in --set; did you mean `model.d_model`?"  # the typo is --set's
     ]
 
 
