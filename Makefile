@@ -41,8 +41,8 @@ smoke: install
 	test "$$out" = "我喜欢苹果" || { echo "smoke: FAILED: expected 我喜欢苹果"; exit 1; }
 
 lint: install
-	$(BIN)/ruff check mtcli tests benchmarks docs
-	$(BIN)/ruff format --check mtcli tests benchmarks docs
+	$(BIN)/ruff check mtcli tests benchmarks docs scripts
+	$(BIN)/ruff format --check mtcli tests benchmarks docs scripts
 
 bench: install
 	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
