@@ -133,19 +133,27 @@ def _usual_permissions(folder: Path, files: list[str], mode: int) -> None:
             path.chmod(mode)
 
 
-def write_file_atomic(path: Path, data: str | bytes) -> None:
-    """`data` into a temporary sibling, made durable, then renamed onto `path`: a reader, or a kill at any moment,
-    finds the old file or the new one, never part of one."""
-    path = Path(path)
+@contextmanager
+def _replaced_when_done(path: Path, binary: bool = True) -> Iterator[TextIO]:
+    """An open temporary sibling of `path`, made durable and renamed onto `path` when the block ends without an
+    error, removed otherwise: a reader, or a kill at any moment, finds the old file or the new one, never part of
+    one. Opening raises OSError."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    handle = open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
+        with handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def write_file_atomic(path: Path, data: str | bytes) -> None:
+    """`data` written whole onto `path`, or not at all (see _replaced_when_done)."""
+    with _replaced_when_done(Path(path)) as f:
+        f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def publish_folder(tmp: Path, target: Path) -> None:
@@ -212,21 +220,12 @@ def new_file(
     onto `target`. On an error `target` is untouched (an existing file keeps its bytes). Checks `target` first."""
     target = _resolved(target)
     check_file_target(target, force, inputs, option)
-    if not target.parent.is_dir():
-        raise MtcliError(f"{option} {target}: the folder {target.parent} does not exist")
-    tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
-    try:
-        handle = open(tmp, "wb" if binary else "w", encoding=None if binary else "utf-8")
-    except OSError as e:
-        raise MtcliError(f"{option} {target}: cannot write ({e.strerror})") from None
-    try:
-        with handle:
-            yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with contextlib.ExitStack() as stack:
+        try:
+            handle = stack.enter_context(_replaced_when_done(target, binary))
+        except OSError as e:
+            raise MtcliError(f"{option} {target}: cannot write ({e.strerror})") from None
+        yield handle
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:

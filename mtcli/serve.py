@@ -204,7 +204,8 @@ class Server:
         worker, and all joined back."""
         segments = [self.cut(text, fmt, split) for text in texts]
         # HTML: each inline element's text is translated too, to find its words in the sentence's translation
-        sentences = [piece for s in segments for piece in [*s.pieces, *s.mark_texts()]]
+        mark_texts = [s.mark_texts() for s in segments]
+        sentences = [piece for s, marks in zip(segments, mark_texts) for piece in [*s.pieces, *marks]]
         self.check_count(len(sentences), "sentences")
         t = self.translator
         ids = t.source_ids(sentences, decode)  # one call for all: a 1 MiB body takes a tenth of a second or so
@@ -226,9 +227,9 @@ class Server:
         sep = "" if self.tgt.lower() in CJK_LANGS else " "
         whole = iter([combine_nbest([next(hyps) for _ in parts], sep.join) for parts in cut])
         results = []
-        for s in segments:
+        for s, texts in zip(segments, mark_texts):
             pieces = [next(whole) for _ in s.pieces]
-            marks = [next(whole)[0].text for _ in s.mark_texts()]
+            marks = [next(whole)[0].text for _ in texts]
             results.append(combine_nbest(pieces, lambda t, s=s, marks=marks: join(s, t, self.tgt, marks)))
         return results
 

@@ -94,9 +94,11 @@ def pick(requested: str, gpu: bool, local: str | None, index: bool) -> tuple[lis
 
 def main() -> None:
     requested = sys.argv[1] if len(sys.argv) > 1 else "auto"
-    gpu = requested in ("", "auto") and nvidia_gpu()
-    local = None if gpu or requested not in ("", "auto") else local_cpu_build(find_links())
-    index = not gpu and not local and requested in ("", "auto") and cpu_index_answers()
+    # each probe only when the ones before it leave the choice open (the index is a network call)
+    asked = requested not in ("", "auto")
+    gpu = not asked and nvidia_gpu()
+    local = None if asked or gpu else local_cpu_build(find_links())
+    index = not (asked or gpu or local) and cpu_index_answers()
     arguments, why = pick(requested, gpu, local, index)
     print(f"torch: {why}", file=sys.stderr)
     print(" ".join(arguments))  # for the shell's word splitting in the Makefile: no argument holds a space
