@@ -43,6 +43,7 @@ from marian_peer import PEERS  # noqa: E402
 from mtcli.checkpoint import last_checkpoint  # noqa: E402
 from mtcli.config_loader import load_config  # noqa: E402
 from mtcli.data import eval_texts  # noqa: E402
+from mtcli.outputs import new_file  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
 
 
@@ -76,6 +77,7 @@ def quality_model(seed: int, updates: int, overrides: list[str]) -> Path:
     return ckpt
 
 
+OWN_JSON = ROOT / "benchmarks" / "quality.json"
 LENPENS = (0.6, 1.0, 1.5, 2.0)  # GNMT length penalties tried on valid
 
 
@@ -124,8 +126,11 @@ def main() -> None:
     parser.add_argument(
         "--updates", type=int, default=DECODE_MODEL_UPDATES, help="a few (e.g. 20) check the path; the figures need 800"
     )
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "quality.json")
+    parser.add_argument("--json", type=Path, default=OWN_JSON)
     args = parser.parse_args()
+    own_json = args.json.resolve() == OWN_JSON  # replaced; another existing file is refused, never overwritten
+    if args.json.exists() and not own_json:  # before an hour of training, not after
+        sys.exit(f"quality: --json {args.json}: exists; give a new name (only {OWN_JSON} is replaced)")
     results: dict = {
         "machine": machine(),
         "spec": f"M30K-small, {args.updates} updates, fp32; test_2016_flickr, beam 5",
@@ -147,7 +152,8 @@ def main() -> None:
         peers = hf_marian_bleu()
         results["peers_decode"] = peers
         results["hf_marian_bleu"] = round(peers["engines"]["hf_marian"]["beam5"]["bleu"], 2)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    with new_file(args.json, force=own_json, option="--json") as out:
+        out.write(json.dumps(results, indent=1) + "\n")
     print(f"\nTest BLEU after {args.updates} updates (M30K-small, fp32, beam 5), {results['machine']['cpu']}:")
     print(f"  {'':14} {'GNMT lp 1.0':>12} {'valid-chosen GNMT lp':>21} {'length ** 1.0 (as HF)':>22}")
     for seed, r in runs.items():
