@@ -135,6 +135,84 @@ def data_prepare(
     logger.info(describe_batches(prepare(cfg, force=force).split("train"), cfg.train.max_tokens, cfg.train.seed))
 
 
+@data_app.command(
+    "synthesize",
+    cls=_Command,
+    short_help="Translate text with a teacher into a corpus (distillation, back-translation).",
+)
+def data_synthesize(
+    teachers: list[str] = typer.Option(
+        ...,
+        "--teacher",
+        help="A run, a checkpoint folder, or the URL of a LibreTranslate server (e.g. http://127.0.0.1:5000); "
+        "several runs: an ensemble (repeatable).",
+    ),
+    out: Path = typer.Option(..., "--out", help="Corpus folder to write: new or empty (an earlier one: --force)."),
+    input_file: Path = typer.Option(None, "--input", "-i", help="A text file to translate, one sentence per line."),
+    config: str = typer.Option(
+        None, "--config", "-c", help="Translate a split of this config's data instead (the side the teacher reads)."
+    ),
+    overrides: list[str] = typer.Option(None, "--set", help="Override a key of --config's data (repeatable)."),
+    split: str = typer.Option("train", help="With --config: train, valid or test."),
+    beam: int = typer.Option(None, help="Beam size (default: the teacher's config)."),
+    lenpen: float = typer.Option(None, help="Length penalty (default: the teacher's config)."),
+    sampling: bool = typer.Option(
+        None, "--sampling/--no-sampling", help="Sample (back-translation) instead of search."
+    ),
+    temperature: float = typer.Option(None, help="Sampling temperature."),
+    top_k: int = typer.Option(None, "--top-k", help="Sample from the k most likely tokens (0: all)."),
+    top_p: float = typer.Option(None, "--top-p", help="Sample from the smallest set with this probability."),
+    precision: str = PrecisionOpt,
+    chunk_lines: int = typer.Option(2000, "--chunk-lines", help="Lines per resumable chunk."),
+    max_ratio: float = typer.Option(
+        3.0,
+        "--max-ratio",
+        help="Drop pairs whose longer side is this many times the shorter, in the teacher's subwords (0: off).",
+    ),
+    min_score: float = typer.Option(
+        None, "--min-score", help="Drop pairs under this teacher log-probability per subword."
+    ),
+    drop_worst: float = typer.Option(
+        0.0, "--drop-worst", help="Drop this share of pairs, those with the lowest teacher score per subword."
+    ),
+    src_lang: str = typer.Option(None, "--src-lang", help="An HTTP teacher's source language (default: --config's)."),
+    tgt_lang: str = typer.Option(None, "--tgt-lang", help="An HTTP teacher's target language (default: --config's)."),
+    api_key: str = typer.Option(None, "--api-key", help="An HTTP teacher's API key."),
+    retries: int = typer.Option(5, help="Retries of a failed HTTP request, with exponential backoff."),
+    device: str = DeviceOpt,
+    force: bool = ForceOpt,
+):
+    """Translate a text file, or a split of a config's data, with a teacher (a run, an ensemble, or a LibreTranslate
+    server) into a corpus folder that data.path and data.train_corpora read: train.<lang> files named by language,
+    the teacher's score per subword in train.scores, dropped pairs in dropped.tsv. Killed, it resumes where it
+    stopped; run again with the same teacher, input and settings, it reuses its output.
+
+    Example: mtcli data synthesize --teacher runs/multi30k --config multi30k.yaml --out synth/m30k-distilled
+    (back-translation: --teacher runs/de-en --input mono.de --sampling --top-k 10 --out synth/bt)
+    """
+    from mtcli.config_loader import load_config
+    from mtcli.outputs import refuse_input_overlap
+    from mtcli.synthetic import Filters, file_lines, is_url, open_teacher, split_lines, synthesize
+
+    if (input_file is None) == (config is None):
+        raise MtcliError("give --input FILE or --config CONFIG (one of them): the text the teacher translates")
+    if chunk_lines < 1:
+        raise MtcliError(f"--chunk-lines {chunk_lines}: must be positive")
+    if not (max_ratio == 0 or max_ratio >= 1) or not 0 <= drop_worst < 1:
+        raise MtcliError("--max-ratio must be 0 (off) or at least 1, --drop-worst at least 0 and under 1")
+    refuse_input_overlap(out, [input_file, *(t for t in teachers if not is_url(t))], "--out")
+    cfg = load_config(config, overrides or []) if config else None
+    langs = (src_lang or (cfg.data.src_lang if cfg else None), tgt_lang or (cfg.data.tgt_lang if cfg else None))
+    if cfg and not is_url(teachers[0]):
+        langs = (None, None)  # a run knows its languages; split_lines checks they fit the config's data
+    options = dict(beam=beam, lenpen=lenpen, sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
+    options |= dict(precision=precision)
+    teacher = open_teacher(teachers, langs, [], device, api_key, retries, **options)
+    lines = split_lines(cfg, split, teacher.src_lang) if cfg else file_lines(input_file)
+    synthesize(teacher, lines, out, chunk_lines, Filters(max_ratio, min_score, drop_worst), force)
+    print(out)
+
+
 @app.command(cls=_Command, short_help="Train a model from a config (prepares the data first).")
 def train(
     config: str = ConfigOpt,
@@ -157,6 +235,37 @@ def train(
             f"--run-dir {result.run_dir} --resume"
         )
         raise typer.Exit(130 if result.stopped_by == "SIGINT" else 143)
+
+
+@app.command(cls=_Command, short_help="Distil a teacher into a smaller student: data, training, scores, int8, card.")
+def distill(
+    teachers: list[str] = typer.Option(
+        ...,
+        "--teacher",
+        help="The teacher: a run or checkpoint folder (repeat for an ensemble), or a LibreTranslate server's URL.",
+    ),
+    config: str = ConfigOpt,
+    overrides: list[str] = SetOpt,
+    mono: Path = typer.Option(None, "--mono", help="Monolingual source text to distil as well, one sentence a line."),
+    run_dir: Path = typer.Option(None, "--run-dir", help="Run directory (default: runs/<config name>)."),
+    device: str = DeviceOpt,
+):
+    """The student's config (its model, its data and a distill section) trained on the teacher's translations of
+    its training sources: synthesize, train, average, score teacher and student with paired tests, export to
+    CTranslate2 int8, write MODEL_CARD.md. Each step is skipped when done: after a kill, run the same command.
+
+    Example: mtcli distill --teacher runs/multi30k --config multi30k-student.yaml
+    --set data.path=../shared/data/multi30k
+    """
+    from mtcli.config_loader import load_config
+    from mtcli.distill import distill as run_distill
+
+    cfg = load_config(config, overrides or [])
+    card = run_distill(cfg, teachers, run_dir, mono, device)
+    if card is None:
+        logger.warning("interrupted: run the same command again to continue")
+        raise typer.Exit(130)
+    print(Path(card["run_dir"]) / "MODEL_CARD.md")
 
 
 @app.command(cls=_Command, short_help="Translate sentences, a file or stdin.")

@@ -82,6 +82,9 @@ class TrainCorpusConfig:
     revision: str | None = None
     split: str = "train"
     weight: float = 1.0
+    # A tag that starts the source of this corpus's pairs only (before data.src_prefix): `<BT>` marks back-translated
+    # pairs (tagged back-translation, Caswell et al. 2019). A vocabulary mtcli fits keeps it as one piece.
+    tag: str = ""
 
     def __post_init__(self):
         where = self.path or self.dataset
@@ -89,6 +92,11 @@ class TrainCorpusConfig:
         _check(bool(self.path) != bool(self.dataset), "data.train_corpora", "each needs a path or a dataset (one)")
         # An epoch holds `weight` copies of the corpus's pair indices: 100 is past any real upsampling.
         _check(0 < self.weight <= 100, "data.train_corpora.weight", f"must be in (0, 100] (the corpus {where})")
+        _check(
+            self.tag == "" or (len(self.tag) <= 64 and self.tag.split() == [self.tag]),
+            "data.train_corpora.tag",
+            f"must be one word without spaces, at most 64 characters, e.g. <BT> (the corpus {where})",
+        )
 
 
 @dataclass(frozen=True)
@@ -344,12 +352,46 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """How `mtcli distill` makes this config's model a student of a teacher (mtcli/distill.py): the teacher's search
+    for the distilled corpus, its filters, the mixture the student trains on, and the steps after training."""
+
+    beam: int = 5  # the teacher's beam when it translates the training sources
+    lenpen: float | None = None  # null: the teacher's own decode.lenpen
+    distilled_weight: float = 1.0  # data.train_corpora weight of the distilled corpus
+    original_weight: float = 1.0  # ... of the student's own training data (0: distilled data only)
+    mono_weight: float = 1.0  # ... of distilled monolingual source text (`mtcli distill --mono FILE`)
+    max_ratio: float = 3.0  # drop distilled pairs whose longer side has more than this many times the subwords; 0: off
+    drop_worst: float = 0.0  # drop this share of distilled pairs, those with the lowest teacher score per subword
+    chunk_lines: int = 2000  # lines per resumable chunk of the synthesis
+    average_last: int = 5  # average the student's last N checkpoints, kept if better on valid; 0: no averaging
+    eval_split: str = "test"  # the split teacher and student are scored on for the model card
+    quantization: str = "int8"  # the CTranslate2 export of the student; none: no export
+
+    def __post_init__(self):
+        _check_numbers(self, "distill")
+        _check(1 <= self.beam <= 1000, "distill.beam", "must be between 1 and 1,000")
+        _check(self.lenpen is None or 0 <= self.lenpen <= 10, "distill.lenpen", "must be null or between 0 and 10")
+        for key in ("distilled_weight", "original_weight", "mono_weight"):
+            _check(0 <= getattr(self, key) <= 100, f"distill.{key}", "must be between 0 and 100")
+        _check(self.distilled_weight > 0, "distill.distilled_weight", "must be positive: it is what distillation adds")
+        _check(self.max_ratio == 0 or self.max_ratio >= 1, "distill.max_ratio", "must be 0 (off) or at least 1")
+        _check(0 <= self.drop_worst < 1, "distill.drop_worst", "must be at least 0 and under 1 (a share)")
+        _check(1 <= self.chunk_lines <= 1_000_000, "distill.chunk_lines", "must be between 1 and 1,000,000")
+        _check(self.average_last >= 0, "distill.average_last", "must be 0 (no averaging) or positive")
+        _check(self.eval_split in ("valid", "test"), "distill.eval_split", "must be valid or test")
+        kinds = ("none", "int8", "int8_float32", "int8_bfloat16", "int8_float16", "float16", "bfloat16")
+        _check(self.quantization in kinds, "distill.quantization", f"must be one of {', '.join(kinds)}")
+
+
+@dataclass(frozen=True)
 class Config:
     name: str = "run"
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))

@@ -129,7 +129,7 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (), n
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid YAML: {shown(' '.join(str(e).split()), 300)}") from None
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode")
+        raise ConfigError(f"{path}: expected a mapping with sections data, model, train, decode (and distill)")
     tree.setdefault("name", path.stem)
     config = config_from_dict(copy.deepcopy(tree), source=str(path))  # the file alone: its own mistakes name it
     if overrides:  # the file is valid, so what fails now is an override's doing: name --set, not the file

@@ -337,12 +337,22 @@ def _train_tokenizer(train, folder: Path, cfg: DataConfig) -> Tokenizer:
             f"the train split `{train.name}` ({train.description}) has no non-empty sentences: its lines are all "
             "blank; check data.path and data.splits.train"
         )
+    tags = sorted({c.tag for c in cfg.train_corpora if c.tag})  # one piece each (data.train_corpora tags)
     if cfg.joint_vocab:
-        train_sentencepiece(src_lines + tgt_lines, folder / "spm.model", cfg)
+        train_sentencepiece(src_lines + tgt_lines, folder / "spm.model", cfg, tags)
         return Tokenizer(folder / "spm.model")
-    train_sentencepiece(src_lines, folder / "spm.src.model", cfg)
+    train_sentencepiece(src_lines, folder / "spm.src.model", cfg, tags)
     train_sentencepiece(tgt_lines, folder / "spm.tgt.model", cfg)
     return Tokenizer(folder / "spm.src.model", folder / "spm.tgt.model")
+
+
+def tag_ids(tokenizer: Tokenizer, tag: str) -> list[int]:
+    """A data.train_corpora tag's source ids: its one piece in a vocabulary mtcli fitted (without the word-start
+    piece SentencePiece puts before it), its pieces in a given one."""
+    if not tag:
+        return []
+    ids = tokenizer.encode_src([tag])[0]
+    return ids[1:] if len(ids) > 1 and tokenizer.src_pieces(ids[:1]) == ["▁"] else ids
 
 
 def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str, pair_filter) -> dict:
@@ -359,6 +369,7 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
     }
     offsets = {"src": [0], "tgt": [0]}
     tally = CorpusTally(source.corpora) if source.corpora else None  # several training corpora: which pair is whose
+    tags = [tag_ids(tokenizer, c.tag) for c in cfg.train_corpora] if any(c.tag for c in cfg.train_corpora) else []
     files = {side: open(folder / f"{role}.{side}.bin", "wb") for side in ("src", "tgt")}
     texts = (
         {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
@@ -370,6 +381,9 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
             sources, targets = [clean(s) for s in sources], [clean(t) for t in targets]
             counts["total"] += len(sources)
             src_ids, tgt_ids = tokenizer.encode_src(sources, cfg.src_prefix), tokenizer.encode_tgt(targets)
+            if tally is not None and tags:  # data.train_corpora tags: first in the source of their own corpus's pairs
+                corpus = tally.ids(counts["total"] - len(sources), len(sources))
+                src_ids = [tags[c] + ids if tags[c] and ids else ids for c, ids in zip(corpus, src_ids)]
             keep = []
             for s, t, si, ti in zip(sources, targets, src_ids, tgt_ids):
                 if is_train:

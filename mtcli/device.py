@@ -26,6 +26,17 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for figures that depend on the machine."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

@@ -74,9 +74,13 @@ class CorpusTally:
         self.kept = np.zeros(len(corpora), dtype=np.int64)
         self.kept_ids: list[np.ndarray] = []
 
+    def ids(self, first_row: int, count: int) -> np.ndarray:
+        """The corpus index of rows first_row ... first_row + count - 1."""
+        return np.searchsorted(self.bounds, np.arange(first_row, first_row + count), side="right")
+
     def add(self, first_row: int, keep: list[bool]) -> None:
         """A chunk of the split's pairs, rows first_row, first_row + 1, ...; keep[i]: row first_row + i was kept."""
-        ids = np.searchsorted(self.bounds, np.arange(first_row, first_row + len(keep)), side="right")
+        ids = self.ids(first_row, len(keep))
         kept = np.asarray(keep, dtype=bool)
         self.total += np.bincount(ids, minlength=len(self.names))
         self.kept += np.bincount(ids[kept], minlength=len(self.names))

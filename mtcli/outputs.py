@@ -247,7 +247,7 @@ def check_run_dir(run_dir: Path, resume: bool) -> None:
 def is_run_dir(folder: Path) -> bool:
     manifest = read_manifest(folder)
     if manifest is not None:
-        return manifest["command"] in ("train", "import")
+        return manifest["command"] in ("train", "import", "distill")
     return (Path(folder) / "checkpoints").is_dir() and (Path(folder) / "config.yaml").is_file()  # before manifests
 
 

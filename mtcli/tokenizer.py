@@ -52,8 +52,9 @@ def normalization(cfg: DataConfig) -> str:
     return "identity" if {cfg.src_lang, cfg.tgt_lang} & CJK_LANGS else "nmt_nfkc"
 
 
-def train_sentencepiece(sentences: Iterable[str], out_path: Path, cfg: DataConfig) -> None:
-    """Fit one SentencePiece model on `sentences` and write it to `out_path`."""
+def train_sentencepiece(sentences: Iterable[str], out_path: Path, cfg: DataConfig, symbols: list[str] = ()) -> None:
+    """Fit one SentencePiece model on `sentences` and write it to `out_path`; `symbols` (tags such as `<BT>`) become
+    pieces of their own."""
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -72,6 +73,7 @@ def train_sentencepiece(sentences: Iterable[str], out_path: Path, cfg: DataConfi
             num_threads=os.cpu_count() or 1,
             train_extremely_large_corpus=False,
             minloglevel=2,
+            **({"user_defined_symbols": list(symbols)} if symbols else {}),
         )
     except RuntimeError as e:  # SentencePiece reports bad settings as RuntimeError("INTERNAL: <file>(<line>) ...")
         text = " ".join(str(e).split())

@@ -226,4 +226,4 @@ def test_base_yaml_is_transformer_base():
 @pytest.mark.parametrize("content", ["- data\n- model\n", "just words\n", "42\n"])
 def test_a_config_that_is_not_a_mapping_names_the_file(tmp_path, content):
     path = write(tmp_path, content)
-    assert error_of(path) == f"{path}: expected a mapping with sections data, model, train, decode"
+    assert error_of(path) == f"{path}: expected a mapping with sections data, model, train, decode (and distill)"

@@ -70,7 +70,7 @@ def test_every_speed_figure_names_its_machine():
 @pytest.mark.parametrize("line", COMMANDS)
 def test_each_readme_command_and_its_options_exist(line):
     words = shlex.split(line.replace("\\|", "|").replace("...", ""))[1:]
-    command = words[0] if words[0] != "data" else "data prepare"
+    command = words[0] if words[0] != "data" else f"data {words[1]}"
     if words[0] == "--version":
         return
     text = help_of(command)

@@ -1,0 +1,524 @@
+"""`mtcli distill`: a big teacher into a small, fast student (sequence-level knowledge distillation, Kim & Rush
+2016), one resumable step at a time, in one run directory:
+
+    synthesize  the teacher (a run, an ensemble, an imported opus-mt, a LibreTranslate server) translates the
+                student's training sources, and --mono text, with beam search: <run>/distill/train, .../mono
+    train       the student's config on distilled + original data (data.train_corpora, weighted by distill.*)
+    average     the student's last distill.average_last checkpoints, kept only if better on valid
+    score       teacher and student on distill.eval_split: BLEU and chrF with signatures, paired tests, sentences/s
+    export      the student to CTranslate2 (distill.quantization), scored and timed there too
+    card        MODEL_CARD.md and model_card.json: every figure with the file it comes from
+
+<run>/distill.json records each finished step and its wall time; a rerun skips what is done, so a killed distill
+goes on where it stopped (synthesis after its last chunk, training from its last checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mtcli.average import average_last
+from mtcli.checkpoint import (
+    best_checkpoint,
+    checkpoint_dir,
+    last_checkpoint,
+    list_checkpoints,
+    read_config,
+    resolve_member,
+)
+from mtcli.compare import TESTS, paired_tests
+from mtcli.config import Config, TrainCorpusConfig
+from mtcli.config_loader import replaced
+from mtcli.corpus import split_names
+from mtcli.data import eval_texts
+from mtcli.device import cpu_name
+from mtcli.errors import MtcliError
+from mtcli.line_io import read_lines
+from mtcli.log import format_duration, logger
+from mtcli.outputs import MANIFEST, read_manifest, write_file_atomic
+from mtcli.scoring import ScoreOptions, corpus_scores, sacrebleu_command, sacrebleu_flags, write_lines
+from mtcli.synthetic import Filters, file_lines, open_teacher, split_lines, synthesize
+from mtcli.train import plain_run_name, train
+from mtcli.translate import Translator, load_translator
+
+STATE = "distill.json"
+METRICS = ("bleu", "chrf")
+
+
+@dataclass
+class Plan:
+    """What one `mtcli distill` call works with."""
+
+    cfg: Config  # the student's config as given
+    teachers: list[str]
+    run_dir: Path
+    mono: Path | None
+    device: str
+
+
+def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono: Path | None = None, device="auto"):
+    """Run every step not yet done (see the module's description); returns the model card's JSON, or None when
+    training was interrupted (the run then resumes with the same command)."""
+    plan = Plan(cfg, [str(t) for t in teachers], Path(run_dir or Path("runs") / plain_run_name(cfg.name)), mono, device)
+    check_inputs(plan)
+    state = read_state(plan)
+    teacher = None
+    if not done(state, "synthesize") or (mono and not done(state, "synthesize_mono")):
+        teacher = teacher_for_synthesis(plan)
+        check_teacher_languages(plan, teacher)
+    filters, chunk = synthesis_filters(cfg), cfg.distill.chunk_lines
+    train_lines = split_lines(cfg, "train", cfg.data.src_lang)
+    open_distill_dir(plan, state)  # only now: every input has been checked
+    run_step(
+        plan, state, "synthesize", lambda: synthesize(teacher, train_lines, corpus_dir(plan, "train"), chunk, filters)
+    )
+    if mono:
+        run_step(
+            plan,
+            state,
+            "synthesize_mono",
+            lambda: synthesize(teacher, file_lines(mono), corpus_dir(plan, "mono"), chunk, filters),
+        )
+    teacher = None  # its memory, before the student trains
+    student_cfg = student_config(plan)
+    if not done(state, "train"):
+        started = time.time()
+        result = train(student_cfg, plan.run_dir, resume=last_checkpoint(plan.run_dir) is not None)
+        if result.stopped_by in ("SIGINT", "SIGTERM"):
+            return None
+        finish(plan, state, "train", time.time() - started, {"updates": result.update, "stopped_by": result.stopped_by})
+    run_step(plan, state, "average", lambda: choose_student(plan, student_cfg))
+    run_step(plan, state, "score", lambda: score_systems(plan, state))
+    if cfg.distill.quantization != "none":
+        run_step(plan, state, "export", lambda: export_student(plan, state))
+    run_step(plan, state, "card", lambda: write_card(plan, state))
+    return json.loads((plan.run_dir / "model_card.json").read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks before any work, the run directory and its record of finished steps
+
+
+def check_inputs(plan: Plan) -> None:
+    """Every input that can be checked without translating: one line each, before anything is written."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise MtcliError(
+            "mtcli distill runs in one process; under torchrun, run `mtcli data synthesize` first, then train with "
+            "its folder in data.train_corpora"
+        )
+    if not plan.teachers:
+        raise MtcliError("--teacher: give the teacher, a run directory (repeat it for an ensemble) or a URL")
+    for teacher in plan.teachers:
+        if not teacher.startswith(("http://", "https://")) and not Path(teacher).exists():
+            raise MtcliError(f"--teacher {teacher}: no such run directory or checkpoint folder")
+    student = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
+    for teacher in plan.teachers:
+        if "://" not in teacher:
+            data = read_config(resolve_member(teacher)).data
+            if (data.src_lang, data.tgt_lang) != student:
+                raise MtcliError(
+                    f"--teacher {teacher}: translates {data.src_lang}->{data.tgt_lang}, the student {student[0]}->"
+                    f"{student[1]}; a teacher must translate what its student learns"
+                )
+    if plan.mono is not None and not Path(plan.mono).is_file():
+        raise MtcliError(f"--mono {plan.mono}: no such file")
+    if not (plan.cfg.data.path or plan.cfg.data.dataset or plan.cfg.data.train_corpora):
+        raise MtcliError("the student's config names no training data (data.path, data.dataset or data.train_corpora)")
+    if plan.cfg.distill.quantization != "none":
+        try:
+            import ctranslate2  # noqa: F401
+        except ImportError:
+            raise MtcliError(
+                f"distill.quantization {plan.cfg.distill.quantization} exports to CTranslate2, which is not "
+                "installed: pip install 'mtcli[export]', or set distill.quantization=none"
+            ) from None
+
+
+def read_state(plan: Plan) -> dict:
+    """The record of finished steps of the run directory: new (missing or empty), or an earlier distill's (its
+    manifest says `distill`) with the same teachers and --mono; anything else is refused. Writes nothing."""
+    run_dir = plan.run_dir
+    if run_dir.exists() and not run_dir.is_dir():
+        raise MtcliError(f"--run-dir {run_dir}: exists and is not a folder")
+    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
+    manifest = read_manifest(run_dir)
+    if entries and (manifest is None or manifest["command"] != "distill"):
+        raise MtcliError(
+            f"--run-dir {run_dir}: holds {entries[0]} and is not a distill run; give a new or empty folder"
+        )
+    state_file = run_dir / STATE
+    state = json.loads(state_file.read_text(encoding="utf-8")) if state_file.is_file() else {"steps": {}}
+    given = {"teachers": [str(Path(t).resolve()) if "://" not in t else t for t in plan.teachers]}
+    given["mono"] = str(Path(plan.mono).resolve()) if plan.mono else None
+    if state.get("inputs", given) != given:
+        raise MtcliError(
+            f"--run-dir {run_dir}: was distilled from {', '.join(state['inputs']['teachers'])} (--mono "
+            f"{state['inputs']['mono']}); give the same teachers and --mono to continue it, or a new --run-dir"
+        )
+    state["inputs"] = given
+    return state
+
+
+def open_distill_dir(plan: Plan, state: dict) -> None:
+    """Create the run directory (marked as distill's) and its record of steps, if they are not there yet."""
+    try:
+        plan.run_dir.mkdir(parents=True, exist_ok=True)
+        if read_manifest(plan.run_dir) is None:
+            (plan.run_dir / MANIFEST).write_text(json.dumps({"command": "distill"}), encoding="utf-8")
+        save_state(plan, state)
+    except OSError as e:
+        raise MtcliError(f"--run-dir {plan.run_dir}: cannot write there ({e.strerror})") from None
+
+
+def save_state(plan: Plan, state: dict) -> None:
+    write_file_atomic(plan.run_dir / STATE, json.dumps(state, indent=1, ensure_ascii=False) + "\n")
+
+
+def done(state: dict, name: str) -> bool:
+    return name in state["steps"]
+
+
+def finish(plan: Plan, state: dict, name: str, seconds: float, record: dict) -> None:
+    state["steps"][name] = {"seconds": round(seconds, 1), **record}
+    save_state(plan, state)
+    logger.info(f"distill: {name} done in {format_duration(seconds)}")
+
+
+def run_step(plan: Plan, state: dict, name: str, work) -> None:
+    """`work()` unless the step is done; recorded (its returned dict, its wall time) only when it succeeds."""
+    if done(state, name):
+        logger.info(f"distill: {name}: done earlier, skipped")
+        return
+    logger.info(f"distill: {name}")
+    started = time.time()
+    record = work()
+    finish(plan, state, name, time.time() - started, record if isinstance(record, dict) else {})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Synthesis and the student's data
+
+
+def teacher_for_synthesis(plan: Plan):
+    d = plan.cfg.distill
+    langs = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
+    if plan.teachers[0].startswith(("http://", "https://")):
+        return open_teacher(plan.teachers, langs)
+    return open_teacher(plan.teachers, (None, None), [], plan.device, beam=d.beam, lenpen=d.lenpen, sampling=False)
+
+
+def check_teacher_languages(plan: Plan, teacher) -> None:
+    student = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
+    if (teacher.src_lang, teacher.tgt_lang) != student:
+        raise MtcliError(
+            f"--teacher {plan.teachers[0]}: translates {teacher.src_lang}->{teacher.tgt_lang}, the student "
+            f"{student[0]}->{student[1]}; a teacher must translate what its student learns"
+        )
+
+
+def synthesis_filters(cfg: Config) -> Filters:
+    return Filters(max_ratio=cfg.distill.max_ratio, drop_worst=cfg.distill.drop_worst)
+
+
+def corpus_dir(plan: Plan, name: str) -> Path:
+    return plan.run_dir / "distill" / name
+
+
+def student_config(plan: Plan) -> Config:
+    """The student's config with its training data: the distilled corpus (and distilled --mono text) beside its own
+    data, each a data.train_corpora entry with its distill.* weight; the original data is left out at weight 0."""
+    cfg, d = plan.cfg, plan.cfg.distill
+    data = cfg.data
+    if data.train_corpora:
+        original = [replace(c, weight=c.weight * d.original_weight) for c in data.train_corpora]
+    else:
+        where = {"path": data.path} if data.path else {"dataset": data.dataset, "subset": data.subset}
+        original = [TrainCorpusConfig(**where, revision=data.revision, split=split_names(data)["train"])]
+        original = [replace(original[0], weight=d.original_weight)]
+    corpora = [TrainCorpusConfig(path=str(corpus_dir(plan, "train")), weight=d.distilled_weight)]
+    if plan.mono:
+        corpora.append(TrainCorpusConfig(path=str(corpus_dir(plan, "mono")), weight=d.mono_weight))
+    corpora += [c for c in original if c.weight > 0]
+    return replaced(cfg, **{"data.train_corpora": [asdict(c) for c in corpora]})
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# After training: the checkpoint to ship, scores, speed, export
+
+
+def choose_student(plan: Plan, student_cfg: Config) -> dict:
+    """The run's best checkpoint, or the average of its last checkpoints where that is better on valid (greedy)."""
+    best = best_checkpoint(plan.run_dir) or last_checkpoint(plan.run_dir)
+    n = plan.cfg.distill.average_last
+    if n < 2 or len(list_checkpoints(plan.run_dir)) < n:
+        return {"checkpoint": str(best), "why": "the best on valid (no averaging)"}
+    averaged = average_last(plan.run_dir, n, checkpoint_dir(plan.run_dir) / f"average_last{n}", force=True)
+    sources, refs = eval_texts(student_cfg, "valid")
+    scores = {}
+    for ckpt in (best, averaged):
+        translator = Translator.from_checkpoint(ckpt, plan.device)
+        hyps = translator.translate(sources, beam=1)
+        scores[str(ckpt)] = corpus_scores(hyps, [refs], student_cfg.data.tgt_lang, ScoreOptions(("bleu",)))["bleu"][
+            "score"
+        ]
+    chosen = str(averaged) if scores[str(averaged)] > scores[str(best)] else str(best)
+    logger.info(f"distill: valid BLEU (greedy) {', '.join(f'{k}: {v:.2f}' for k, v in scores.items())}; {chosen}")
+    return {"checkpoint": chosen, "why": "the higher valid BLEU (greedy)", "valid_bleu": scores}
+
+
+def student_checkpoint(state: dict) -> Path:
+    return Path(state["steps"]["average"]["checkpoint"])
+
+
+def timed(translate, sources: list[str]) -> tuple[list[str], float]:
+    """Translations of `sources` and sentences per second, after a warm-up on the first few (kernels, caches)."""
+    translate(sources[:16])
+    start = time.perf_counter()
+    hyps = translate(sources)
+    return hyps, len(sources) / (time.perf_counter() - start)
+
+
+def score_systems(plan: Plan, state: dict) -> dict:
+    """Teacher (its own decode settings) and student (greedy int8, and its own beam) on distill.eval_split: scores,
+    hypotheses files, sentences/s; paired tests of each student row against the teacher."""
+    cfg = plan.cfg
+    role = cfg.distill.eval_split
+    sources, refs = eval_texts(cfg, role)
+    tgt = cfg.data.tgt_lang
+    out = plan.run_dir / "distill" / "eval"
+    ref_path = out / f"{role}.ref.{tgt}"
+    write_lines(ref_path, refs)
+    rows = []
+    if plan.teachers[0].startswith(("http://", "https://")):
+        http = open_teacher(plan.teachers, (cfg.data.src_lang, tgt))
+        systems = [("teacher", plan.teachers[0], lambda lines: [o.text for o in http.translate(lines, 0)], {})]
+    else:
+        teacher_ckpt = resolve_member(plan.teachers[0])
+        tr, decode = load_translator(teacher_ckpt, read_config(teacher_ckpt), [], plan.device, plan.teachers[1:])
+        systems = [("teacher", str(teacher_ckpt), _translate_with(tr, decode), _settings(tr, decode))]
+    student = student_checkpoint(state)
+    for name, options in (("student greedy int8", {"beam": 1, "precision": "int8"}), ("student", {})):
+        tr, decode = load_translator(student, read_config(student), [], plan.device, **options)
+        if name == "student" and decode.beam == 1:
+            continue  # the student's own decode settings are greedy: the int8 row covers them in its precision
+        systems.append(
+            (
+                f"{name} beam {decode.beam}" if name == "student" else name,
+                str(student),
+                _translate_with(tr, decode),
+                _settings(tr, decode),
+            )
+        )
+    for i, (name, model, translate, settings) in enumerate(systems):
+        logger.info(f"distill: scoring {name} on {role} ({len(sources):,} sentences)")
+        hyps, speed = timed(translate, sources)
+        path = out / f"{role}.{i}-{name.replace(' ', '-')}.hyp.{tgt}"
+        write_lines(path, hyps)
+        rows.append(
+            {
+                "system": name,
+                "model": model,
+                **settings,
+                "sentences_per_second": round(speed, 1),
+                "hypotheses": str(path),
+                **_scores(hyps, refs, tgt, ref_path, path),
+            }
+        )
+    return {"split": role, "references": str(ref_path), "sentences": len(sources), "systems": rows}
+
+
+def _translate_with(translator: Translator, decode):
+    return lambda lines: translator.translate(lines, decode)
+
+
+def _settings(translator: Translator, decode) -> dict:
+    return {
+        "beam": decode.beam,
+        "lenpen": decode.lenpen,
+        "precision": translator.precision,
+        "engine": "mtcli",
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _scores(hyps: list[str], refs: list[str], tgt: str, ref_path: Path, hyp_path: Path) -> dict:
+    scores = corpus_scores(hyps, [refs], tgt, ScoreOptions(METRICS))
+    result = {m: round(scores[m]["score"], 2) for m in METRICS}
+    result["signatures"] = {m: scores[m]["signature"] for m in METRICS}
+    result["command"] = sacrebleu_command([ref_path], [hyp_path], sacrebleu_flags(METRICS, tgt, False))
+    return result
+
+
+def export_student(plan: Plan, state: dict) -> dict:
+    """The student in CTranslate2 (distill.quantization), and its greedy translation of the eval split there: BLEU,
+    chrF, sentences/s on this machine's threads."""
+    import ctranslate2
+
+    from mtcli.export import export_ctranslate2
+    from mtcli.tokenizer import Tokenizer
+
+    kind = plan.cfg.distill.quantization
+    folder = export_ctranslate2(student_checkpoint(state), plan.run_dir / "export" / f"ct2-{kind}", kind, force=True)
+    cfg, role = plan.cfg, plan.cfg.distill.eval_split
+    sources, refs = eval_texts(cfg, role)
+    tokenizer = Tokenizer.from_folder(folder)
+    threads = torch.get_num_threads()
+    engine = ctranslate2.Translator(str(folder), device="cpu", compute_type="auto", intra_threads=threads)
+
+    limit = read_config(student_checkpoint(state)).model.max_positions - 1  # one position for BOS / EOS
+
+    def translate(lines: list[str]) -> list[str]:
+        pieces = [tokenizer.src.encode(s, out_type=str)[:limit] if s else [] for s in lines]
+        options = dict(beam_size=1, max_batch_size=64, max_decoding_length=limit)
+        results = engine.translate_batch(pieces, **options)
+        return [tokenizer.tgt.decode(r.hypotheses[0]).strip() if s else "" for s, r in zip(lines, results)]
+
+    hyps, speed = timed(translate, sources)
+    tgt = cfg.data.tgt_lang
+    score_dir = plan.run_dir / "distill" / "eval"
+    path = score_dir / f"{role}.ct2-{kind}-greedy.hyp.{tgt}"
+    write_lines(path, hyps)
+    ref_path = Path(state["steps"]["score"]["references"])
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    row = {
+        "system": f"student greedy, CTranslate2 {kind}",
+        "model": str(folder),
+        "beam": 1,
+        "precision": kind,
+        "engine": f"ctranslate2 {ctranslate2.__version__}",
+        "threads": threads,
+        "sentences_per_second": round(speed, 1),
+        "hypotheses": str(path),
+        **_scores(hyps, refs, tgt, ref_path, path),
+    }
+    return {"folder": str(folder), "bytes": size, "row": row}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The model card
+
+
+def _parameters(checkpoint: Path) -> tuple[int, int]:
+    """Parameters and bytes of a checkpoint's weights file."""
+    path = Path(checkpoint) / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        count = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return count, path.stat().st_size
+
+
+def write_card(plan: Plan, state: dict) -> None:
+    steps = state["steps"]
+    score = steps["score"]
+    systems = list(score["systems"]) + ([steps["export"]["row"]] if "export" in steps else [])
+    teacher_row, student_rows = systems[0], systems[1:]
+    # paired tests of every student row against the teacher, on the hypothesis files the rows name
+    refs = read_lines(Path(score["references"]))
+    hypotheses = [(row["system"], read_lines(Path(row["hypotheses"]))) for row in systems]
+    tests, signatures = paired_tests(hypotheses, [refs], plan.cfg.data.tgt_lang, ScoreOptions(METRICS))
+    for i, row in enumerate(systems):
+        row["paired"] = {m: {k: tests[m][i].get(k) for k in ("delta", "p_bs", "p_ar")} for m in METRICS} if i else None
+    card = {
+        "name": plan.cfg.name,
+        "run_dir": str(plan.run_dir),
+        "languages": {"source": plan.cfg.data.src_lang, "target": plan.cfg.data.tgt_lang},
+        "teacher": {"models": state["inputs"]["teachers"]},
+        "student": {"checkpoint": steps["average"]["checkpoint"], "chosen": steps["average"]["why"]},
+        "machine": {
+            "cpu": cpu_name(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "eval": {"split": score["split"], "sentences": score["sentences"], "references": score["references"]},
+        "systems": systems,
+        "tests": TESTS,
+        "test_signatures": signatures,
+        "data": {name: _corpus_summary(plan, name) for name in ("train", "mono") if corpus_dir(plan, name).is_dir()},
+        "steps": {name: record["seconds"] for name, record in steps.items()},
+    }
+    if not teacher_row["model"].startswith(("http://", "https://")):
+        card["teacher"]["parameters"], card["teacher"]["bytes"] = _parameters(Path(teacher_row["model"]))
+    card["student"]["parameters"], card["student"]["bytes"] = _parameters(Path(steps["average"]["checkpoint"]))
+    if "export" in steps:
+        card["student"]["export"] = {"folder": steps["export"]["folder"], "bytes": steps["export"]["bytes"]}
+    card["summary"] = [_compared(teacher_row, row) for row in student_rows]
+    text = json.dumps(card, indent=1, ensure_ascii=False) + "\n"
+    write_file_atomic(plan.run_dir / "model_card.json", text)
+    write_file_atomic(plan.run_dir / "MODEL_CARD.md", card_markdown(card))
+    logger.info(f"distill: model card {plan.run_dir / 'MODEL_CARD.md'}")
+    for line in card["summary"]:
+        logger.info(f"  {line}")
+
+
+def _corpus_summary(plan: Plan, name: str) -> dict:
+    report = json.loads((corpus_dir(plan, name) / "synthesis.json").read_text(encoding="utf-8"))
+    keys = ("input", "lines", "kept", "dropped", "mean_score", "sentences_per_second", "teacher")
+    return {k: report.get(k) for k in keys} | {"folder": str(corpus_dir(plan, name))}
+
+
+def _compared(teacher: dict, row: dict) -> str:
+    ratio = row["sentences_per_second"] / teacher["sentences_per_second"]
+    return (
+        f"{row['system']}: BLEU {row['bleu']:.2f} ({row['bleu'] - teacher['bleu']:+.2f} against the teacher's "
+        f"{teacher['bleu']:.2f}), {row['sentences_per_second']:,.1f} sentences/s ({ratio:.1f}x the teacher's)"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def card_markdown(card: dict) -> str:
+    lines = [f"# {card['name']}: a distilled {card['languages']['source']}->{card['languages']['target']} model", ""]
+    teacher, student = card["teacher"], card["student"]
+    lines.append(
+        f"- Teacher: {', '.join(teacher['models'])}"
+        + (f" ({teacher['parameters']:,} parameters, {_size(teacher['bytes'])})" if "parameters" in teacher else "")
+    )
+    lines.append(
+        f"- Student: {student['checkpoint']} ({student['parameters']:,} parameters, "
+        f"{_size(student['bytes'])} in float32; chosen as {student['chosen']})"
+    )
+    if "export" in student:
+        lines.append(f"- Export: {student['export']['folder']} ({_size(student['export']['bytes'])})")
+    m = card["machine"]
+    lines.append(f"- Measured on: {m['cuda'] or m['cpu']}, {m['threads']} threads, torch {m['torch']}")
+    e = card["eval"]
+    lines += ["", f"## Scores on {e['split']} ({e['sentences']:,} sentences; references {e['references']})", ""]
+    lines.append("| system | engine | beam | precision | BLEU | chrF | sentences/s | p (BLEU, bootstrap / AR) |")
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for row in card["systems"]:
+        paired = row.get("paired")
+        p = f"{paired['bleu']['p_bs']:.4f} / {paired['bleu']['p_ar']:.4f}" if paired else "baseline"
+        lines.append(
+            f"| {row['system']} | {row['engine']} | {row['beam']} | {row['precision']} | {row['bleu']:.2f} | "
+            f"{row['chrf']:.2f} | {row['sentences_per_second']:,.1f} | {p} |"
+        )
+    lines += ["", *[f"- {s}" for s in card["summary"]], ""]
+    lines.append(
+        f"BLEU: `{card['systems'][0]['signatures']['bleu']}`; chrF: `{card['systems'][0]['signatures']['chrf']}`"
+    )
+    lines.append(
+        "Paired tests against the teacher (sacreBLEU): "
+        + "; ".join(f"`{sig}`" for sig in card["test_signatures"]["bleu"].values())
+    )
+    lines += ["", "Each score repeats with:", ""]
+    lines += [f"    {row['command']}" for row in card["systems"]]
+    lines += ["", "## Data", ""]
+    for name, d in card["data"].items():
+        dropped = ", ".join(f"{n:,} {k}" for k, n in d["dropped"].items() if n) or "none"
+        lines.append(
+            f"- {name}: {d['input']}: {d['lines']:,} lines translated by the teacher, {d['kept']:,} kept "
+            f"(dropped: {dropped}); mean teacher score per subword {d['mean_score']}; {d['folder']}"
+        )
+    lines += ["", "## Wall time of each step", ""]
+    lines += [f"- {name}: {format_duration(seconds)}" for name, seconds in card["steps"].items()]
+    return "\n".join(lines) + "\n"

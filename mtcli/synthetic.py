@@ -1,0 +1,503 @@
+"""Synthetic parallel corpora: a teacher translates text into a corpus folder that `data.path` and
+`data.train_corpora` read as they are (`mtcli data synthesize`; `mtcli distill` uses it too).
+
+    lines (a text file, or one side of a config's split), streamed in chunks of `chunk_lines`
+      -> the teacher (a run, an ensemble of runs, or any LibreTranslate /translate endpoint)
+      -> one file per chunk in a work folder beside the output, each written whole
+      -> when every chunk is there: the filters (empty, copy, length ratio, lowest teacher scores per subword)
+      -> <out>/train.<source lang>, train.<target lang>, train.scores, dropped.tsv, synthesis.json
+
+The files are named by language, so the same machinery serves distillation (the teacher's output is the target) and
+back-translation (a target->source teacher: its output is the source side, the original text the target).
+
+Resumable and cached: the work folder is named by a content key (teacher files, input, decode settings, filters),
+a killed run continues after its last finished chunk, and each chunk's translation depends on nothing else (its own
+batches; sampling seeded by the chunk's number), so the result is byte-identical to an uninterrupted run. A finished
+output with the same key is reused as it is.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import fcntl
+import json
+import math
+import os
+import shutil
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mtcli.checkpoint import read_config, resolve_member
+from mtcli.config import Config
+from mtcli.corpus import fingerprint_hash, source_fingerprint, split_names
+from mtcli.data import clean, open_sources
+from mtcli.errors import MtcliError
+from mtcli.line_io import check_utf8
+from mtcli.log import counted, format_duration, logger, progress_bar
+from mtcli.mixture import corpora_fingerprint
+from mtcli.outputs import new_folder, read_manifest, write_file_atomic
+from mtcli.translate import load_translator
+
+COMMAND = "data synthesize"
+REPORT = "synthesis.json"
+FILTERS = ("empty", "copy", "ratio", "score")
+HTTP_BATCH = 32  # lines per request to an HTTP teacher (LibreTranslate's clients send one text at a time)
+HTTP_PARALLEL = 4  # requests in flight, so a server that batches gets work to batch
+
+
+@dataclass(frozen=True)
+class Filters:
+    """What is dropped from the teacher's output; each dropped pair is counted under the first filter that drops it."""
+
+    max_ratio: float = 3.0  # longer side / shorter side in the teacher's subwords (characters for an HTTP teacher)
+    min_score: float | None = None  # teacher log-probability per subword (with EOS)
+    drop_worst: float = 0.0  # share of the scored pairs with the lowest score per subword
+
+
+@dataclass
+class TeacherOutput:
+    text: str
+    score: float  # log-probability per output subword (with EOS); NaN where the teacher gives none (HTTP)
+    src_len: int  # source length in the teacher's subwords (characters for an HTTP teacher)
+    out_len: int  # output length, the same unit
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Teachers
+
+
+class ModelTeacher:
+    """A run or checkpoint (with --teacher given more than once: an ensemble) translating with mtcli's search."""
+
+    def __init__(self, paths: list[Path], overrides: list[str], device: str, **options):
+        checkpoint = resolve_member(paths[0])
+        self.config: Config = read_config(checkpoint)
+        self.translator, self.decode = load_translator(checkpoint, self.config, overrides, device, paths[1:], **options)
+        self.src_lang, self.tgt_lang = self.config.data.src_lang, self.config.data.tgt_lang
+        members = [checkpoint, *self.translator.ensemble]
+        # what translates: weights and tokenizer files (a training checkpoint's state.pt changes nothing)
+        self.files = [p for m in members for p in sorted(Path(m).iterdir()) if p.is_file() and p.name != "state.pt"]
+        self.name = " + ".join(str(m) for m in members)
+
+    def identity(self) -> dict:
+        files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files]
+        decode = asdict(self.decode) | {"precision": self.translator.precision}
+        return {"kind": "model", "files": files, "decode": decode}
+
+    def translate(self, lines: list[str], chunk: int) -> list[TeacherOutput]:
+        if self.decode.sampling:  # each chunk its own stream: a resumed run samples what an uninterrupted one did
+            seed = self.config.train.seed * 1_000_003 + chunk
+            self.translator.generator = torch.Generator(device=self.translator.device).manual_seed(seed)
+        hyps = self.translator.translate_nbest(lines, self.decode)
+        src_lens = [len(ids) for ids in self.translator.source_ids(lines, self.decode)]
+        out = []
+        for line, best, n in zip(lines, (h[0] for h in hyps), src_lens):
+            score = best.log_prob / (len(best.tokens) + 1) if line else float("nan")
+            out.append(TeacherOutput(best.text, score, n, len(best.tokens)))
+        return out
+
+
+class HttpTeacher:
+    """A server speaking LibreTranslate's API (LibreTranslate itself, or `mtcli serve`): POST /translate with a list
+    of texts. Failures and timeouts are retried with exponential backoff; it gives no scores."""
+
+    def __init__(self, url: str, src_lang: str, tgt_lang: str, api_key: str | None, retries: int, timeout: float):
+        self.url, self.src_lang, self.tgt_lang = url.rstrip("/"), src_lang, tgt_lang
+        self.api_key, self.retries, self.timeout = api_key, retries, timeout
+        self.name = self.url
+        self.retried = 0
+        self.check_languages()
+
+    def identity(self) -> dict:
+        return {"kind": "http", "url": self.url, "source": self.src_lang, "target": self.tgt_lang}
+
+    def check_languages(self) -> None:
+        """GET /languages: the server is reachable and translates src_lang -> tgt_lang."""
+        offered = self.request("/languages", None)
+        pairs = {
+            (item.get("code"), target)
+            for item in offered
+            if isinstance(offered, list) and isinstance(item, dict)
+            for target in item.get("targets", [])
+        }
+        if (self.src_lang, self.tgt_lang) not in pairs:
+            shown = ", ".join(f"{s}->{t}" for s, t in sorted(pairs, key=str)) or "nothing"
+            raise MtcliError(
+                f"teacher {self.url}: does not translate {self.src_lang}->{self.tgt_lang} (it offers {shown})"
+            )
+
+    def translate(self, lines: list[str], chunk: int) -> list[TeacherOutput]:
+        batches = [lines[i : i + HTTP_BATCH] for i in range(0, len(lines), HTTP_BATCH)]
+        with concurrent.futures.ThreadPoolExecutor(HTTP_PARALLEL) as pool:
+            answers = list(pool.map(self.translate_batch, batches))
+        texts = [t for answer in answers for t in answer]
+        return [TeacherOutput(t, float("nan"), len(s), len(t)) for s, t in zip(lines, texts)]
+
+    def translate_batch(self, lines: list[str]) -> list[str]:
+        payload = {"q": lines, "source": self.src_lang, "target": self.tgt_lang, "format": "text"}
+        if self.api_key:
+            payload["api_key"] = self.api_key
+        answer = self.request("/translate", payload)
+        texts = answer.get("translatedText") if isinstance(answer, dict) else None
+        if not isinstance(texts, list) or len(texts) != len(lines) or not all(isinstance(t, str) for t in texts):
+            raise MtcliError(f"teacher {self.url}: /translate answered {str(answer)[:200]}, not one text per line")
+        return [" ".join(t.split()) for t in texts]
+
+    def request(self, route: str, payload: dict | None):
+        """The JSON answer of GET (payload None) or POST `route`; connection failures, timeouts, 429 and 5xx are
+        retried `retries` times with exponential backoff (Retry-After honoured); a 4xx ends with the server's word."""
+        url = self.url + route
+        data = None if payload is None else json.dumps(payload).encode()
+        headers = {"Content-Type": "application/json"} if data else {}
+        for attempt in range(self.retries + 1):
+            wait = min(0.5 * 2**attempt, 30.0)
+            try:
+                request = urllib.request.Request(url, data, headers, method="GET" if data is None else "POST")
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read())
+            except urllib.error.HTTPError as e:
+                if e.code != 429 and e.code < 500:
+                    raise MtcliError(f"teacher {url}: HTTP {e.code}: {_error_text(e)}") from None
+                problem = f"HTTP {e.code}"
+                wait = max(wait, _retry_after(e))
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+                problem = str(getattr(e, "reason", e)) or type(e).__name__
+            except ValueError:
+                raise MtcliError(f"teacher {url}: the answer is not JSON; is this a LibreTranslate server?") from None
+            if attempt == self.retries:
+                tries = "1 try" if self.retries == 0 else f"{self.retries + 1} tries"
+                raise MtcliError(f"teacher {url}: unreachable after {tries} ({problem}); check the address") from None
+            self.retried += 1
+            logger.warning(f"teacher {url}: {problem}; retrying in {wait:g} s")
+            time.sleep(wait)
+
+
+def _error_text(e: urllib.error.HTTPError) -> str:
+    try:
+        body = json.loads(e.read())
+        return " ".join(str(body.get("error", body)).split())[:300]
+    except (ValueError, OSError, AttributeError):
+        return e.reason or "error"
+
+
+def _retry_after(e: urllib.error.HTTPError) -> float:
+    try:
+        return min(float(e.headers.get("Retry-After", 0)), 60.0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def is_url(teacher: str | Path) -> bool:
+    return str(teacher).startswith(("http://", "https://"))
+
+
+def open_teacher(
+    teachers: list[str],
+    langs: tuple[str | None, str | None] = (None, None),
+    overrides: list[str] | tuple[str, ...] = (),
+    device: str = "auto",
+    api_key: str | None = None,
+    retries: int = 5,
+    timeout: float = 120.0,
+    **options,
+):
+    """A ModelTeacher for runs or checkpoint folders (several: an ensemble), an HttpTeacher for one URL. `langs`:
+    the language pair an HTTP teacher is asked for (a model teacher knows its own)."""
+    if not teachers:
+        raise MtcliError("--teacher: give a run, a checkpoint folder or a LibreTranslate URL")
+    if any(is_url(t) for t in teachers):
+        if len(teachers) > 1:
+            raise MtcliError("--teacher: an HTTP teacher cannot be part of an ensemble; give one URL")
+        if None in langs:
+            raise MtcliError(f"--teacher {teachers[0]}: an HTTP teacher needs --src-lang and --tgt-lang")
+        if overrides or any(v is not None for v in options.values()):
+            raise MtcliError(f"--teacher {teachers[0]}: the server chooses its own decode settings; drop them")
+        return HttpTeacher(teachers[0], langs[0], langs[1], api_key, retries, timeout)
+    for path in teachers:
+        if not Path(path).exists():
+            raise MtcliError(f"--teacher {path}: no such run directory or checkpoint folder")
+    teacher = ModelTeacher([Path(t) for t in teachers], list(overrides), device, **options)
+    for given, own, side in zip(langs, (teacher.src_lang, teacher.tgt_lang), ("source", "target")):
+        if given is not None and given != own:
+            raise MtcliError(
+                f"--teacher {teachers[0]}: translates {teacher.src_lang}->{teacher.tgt_lang}; the {side} language "
+                f"asked for is {given}"
+            )
+    return teacher
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What is translated: a text file, or one side of a config's split
+
+
+@dataclass
+class Lines:
+    """The lines to translate, streamed in chunks: `total` of them, described by `name` and `identity`."""
+
+    name: str
+    total: int
+    identity: dict
+    chunks: Callable[
+        [int, int], Iterator[list[str]]
+    ]  # (chunk_lines, first_chunk) -> iterator of line lists, from chunk `first_chunk` on
+    extra: dict = field(default_factory=dict)
+
+
+def file_lines(path: Path) -> Lines:
+    """A monolingual text file, one sentence per line (whitespace cleaned as the data path cleans it)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MtcliError(f"--input {path}: no such file")
+    check_utf8(path)
+    with open(path, "rb") as f:
+        total = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
+    if path.stat().st_size and not _ends_with_newline(path):
+        total += 1
+    stat = path.stat()
+
+    def chunks(size: int, first: int) -> Iterator[list[str]]:
+        with open(path, encoding="utf-8", newline="\n") as f:
+            batch: list[str] = []
+            for i, line in enumerate(f):
+                if i < first * size:
+                    continue
+                batch.append(clean(line))
+                if len(batch) == size:
+                    yield batch
+                    batch = []
+            if batch:
+                yield batch
+
+    identity = {"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    return Lines(str(path), total, identity, chunks)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def split_lines(cfg: Config, role: str, lang: str) -> Lines:
+    """The `lang` side of a split of `cfg`'s data (train: data.train_corpora when it names them), read as the data
+    path reads it."""
+    data = cfg.data
+    if lang not in (data.src_lang, data.tgt_lang):
+        raise MtcliError(
+            f"the teacher reads {lang}; the config's data is {data.src_lang}->{data.tgt_lang}: pick a teacher that "
+            f"translates from {data.src_lang} (or from {data.tgt_lang}, for back-translation)"
+        )
+    cache_dir = Path(data.cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    sources = open_sources(data, cache_dir)
+    if role not in sources:
+        raise MtcliError(f"--split {role}: the config's data has no {role} split (data.splits.{role})")
+    split = sources[role]
+    side = 0 if lang == data.src_lang else 1
+
+    def chunks(size: int, first: int) -> Iterator[list[str]]:
+        for start in range(first * size, split.num_rows, size):
+            pair = split._read(split._dataset, range(start, min(start + size, split.num_rows)))
+            yield [clean(x) for x in pair[side]]
+
+    corpora = role == "train" and data.train_corpora
+    identity = {
+        "split": split_names(data).get(role, role),
+        "side": lang,
+        "source": corpora_fingerprint(data) if corpora else source_fingerprint(data),
+    }
+    return Lines(f"the {lang} side of {split.description}", split.num_rows, identity, chunks)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The synthesis
+
+
+def synthesis_key(teacher, lines: Lines, chunk_lines: int, filters: Filters) -> str:
+    return fingerprint_hash(
+        {"version": 1, "teacher": teacher.identity(), "input": lines.identity, "chunk_lines": chunk_lines}
+        | {"filters": asdict(filters)}
+    )
+
+
+def synthesize(
+    teacher,
+    lines: Lines,
+    out: Path,
+    chunk_lines: int = 2000,
+    filters: Filters = Filters(),
+    force: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Translate `lines` with `teacher` into the corpus folder `out` (see the module's description); returns the
+    report also written to out/synthesis.json. An output with the same key is reused without translating."""
+    out = Path(os.path.abspath(out))
+    if filters.min_score is not None or filters.drop_worst:
+        if isinstance(teacher, HttpTeacher):
+            raise MtcliError("--min-score and --drop-worst need the teacher's scores; an HTTP teacher gives none")
+    key = synthesis_key(teacher, lines, chunk_lines, filters)
+    earlier = _finished(out, key)
+    if earlier is not None:
+        logger.info(f"synthesis: {out} already holds this teacher's translation of {lines.name}; reusing it")
+        return earlier
+    work = out.parent / f".{out.name}.synthesis-{key[:16]}"
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MtcliError(f"--out {out}: cannot write beside it ({e.strerror})") from None
+    lock = open(work / ".lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise MtcliError(f"--out {out}: another mtcli process is writing it ({work}); wait for it") from None
+    try:
+        start = time.time()
+        n_chunks = math.ceil(lines.total / chunk_lines)
+        seconds = _translate_chunks(teacher, lines, work, chunk_lines, n_chunks, progress)
+        report = {
+            "key": key,
+            "teacher": teacher.name,
+            "teacher_identity": teacher.identity(),
+            "input": lines.name,
+            "languages": {"source": teacher.src_lang, "target": teacher.tgt_lang},
+            "filters": asdict(filters),
+            "translation_seconds": round(seconds, 1),
+        }
+        with new_folder(out, COMMAND, force) as tmp:
+            counts = _write_corpus(work, n_chunks, tmp, teacher, filters)
+            report |= counts | {"seconds": round(time.time() - start, 1)}
+            report["sentences_per_second"] = round(counts["lines"] / seconds, 1) if seconds else None
+            if getattr(teacher, "retried", 0):
+                report["http_retries"] = teacher.retried
+            (tmp / REPORT).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    finally:
+        lock.close()
+    shutil.rmtree(work, ignore_errors=True)
+    logger.info(describe(report, out))
+    return report
+
+
+def _finished(out: Path, key: str) -> dict | None:
+    manifest = read_manifest(out)
+    if manifest is None or manifest["command"] != COMMAND:
+        return None
+    try:
+        report = json.loads((out / REPORT).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return report if report.get("key") == key else None
+
+
+def _chunk_path(work: Path, index: int) -> Path:
+    return work / f"chunk-{index:07d}.jsonl"
+
+
+def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: int, progress: bool) -> float:
+    """Translate every chunk that has no file yet, in order; returns the seconds spent translating."""
+    done = 0
+    while done < n_chunks and _chunk_path(work, done).is_file():
+        done += 1
+    if done:
+        logger.info(f"synthesis: resuming after {counted(done, 'finished chunk')} of {n_chunks} in {work}")
+    if done == n_chunks:
+        return 0.0
+    first_line = done * size
+    bar = progress_bar(lines.total, initial=min(first_line, lines.total), unit="line", enabled=progress)
+    logger.info(f"synthesis: {teacher.name} translates {counted(lines.total, 'line')} of {lines.name}")
+    start = last_log = time.time()
+    translated = 0
+    for index, chunk in enumerate(lines.chunks(size, done), done):
+        outputs = teacher.translate(chunk, index)
+        rows = [
+            json.dumps({"x": x, "t": o.text, "s": _rounded(o.score), "n": [o.src_len, o.out_len]}, ensure_ascii=False)
+            for x, o in zip(chunk, outputs)
+        ]
+        write_file_atomic(_chunk_path(work, index), "".join(row + "\n" for row in rows))
+        translated += len(chunk)
+        bar.update(len(chunk))
+        now = time.time()
+        if now - last_log > 30 or index == n_chunks - 1:
+            rate = translated / (now - start)
+            left = lines.total - first_line - translated
+            logger.info(
+                f"synthesis: {first_line + translated:,}/{lines.total:,} lines, {rate:,.1f} lines/s, "
+                f"ETA {format_duration(left / rate if rate else 0)}"
+            )
+            last_log = now
+    bar.close()
+    return time.time() - start
+
+
+def _rounded(score: float) -> float | None:
+    return None if math.isnan(score) else round(score, 6)
+
+
+def _read_chunks(work: Path, n_chunks: int) -> Iterator[dict]:
+    for index in range(n_chunks):
+        with open(_chunk_path(work, index), encoding="utf-8") as f:
+            yield from (json.loads(line) for line in f)
+
+
+def _write_corpus(work: Path, n_chunks: int, folder: Path, teacher, filters: Filters) -> dict:
+    """The corpus files from the chunks, filtered: two passes over the chunks, never the whole corpus in memory
+    (one float per line for the scores' threshold)."""
+    scores = np.array([np.nan if row["s"] is None else row["s"] for row in _read_chunks(work, n_chunks)])
+    threshold = -math.inf if filters.min_score is None else filters.min_score
+    scored = scores[~np.isnan(scores)]
+    if filters.drop_worst and len(scored):
+        threshold = max(threshold, float(np.quantile(scored, filters.drop_worst, method="lower")))
+    counts = dict.fromkeys(FILTERS, 0)
+    src, tgt = teacher.src_lang, teacher.tgt_lang
+    names = {"source": f"train.{src}", "target": f"train.{tgt}", "scores": "train.scores"}
+    with (
+        open(folder / names["source"], "w", encoding="utf-8") as f_src,
+        open(folder / names["target"], "w", encoding="utf-8") as f_tgt,
+        open(folder / names["scores"], "w", encoding="utf-8") as f_score,
+        open(folder / "dropped.tsv", "w", encoding="utf-8") as f_drop,
+    ):
+        f_drop.write("line\treason\tsource\ttranslation\tscore\n")
+        kept = 0
+        for number, row in enumerate(_read_chunks(work, n_chunks), 1):
+            source, text, score, (src_len, out_len) = row["x"], row["t"], row["s"], row["n"]
+            reason = None
+            if not source or not text:
+                reason = "empty"
+            elif text.casefold() == source.casefold():
+                reason = "copy"
+            elif filters.max_ratio and max(src_len, out_len) > filters.max_ratio * max(min(src_len, out_len), 1):
+                reason = "ratio"
+            elif score is not None and (score < threshold or (filters.drop_worst and score <= threshold)):
+                reason = "score"
+            shown = "" if score is None else f"{score:.4f}"
+            if reason is not None:
+                counts[reason] += 1
+                f_drop.write(f"{number}\t{reason}\t{source}\t{text}\t{shown}\n")
+                continue
+            kept += 1
+            f_src.write(source + "\n")
+            f_tgt.write(text + "\n")
+            f_score.write((shown or "nan") + "\n")
+    total = sum(counts.values()) + kept
+    mean = float(scored.mean()) if len(scored) else None
+    return {
+        "lines": total,
+        "kept": kept,
+        "dropped": counts,
+        "mean_score": None if mean is None else round(mean, 4),
+        "files": names | {"dropped": "dropped.tsv"},
+    }
+
+
+def describe(report: dict, out: Path) -> str:
+    dropped = ", ".join(f"{n:,} {reason}" for reason, n in report["dropped"].items() if n) or "none"
+    return (
+        f"synthesis: {out}: {report['kept']:,} of {report['lines']:,} pairs kept (dropped: {dropped}); "
+        f"{report['sentences_per_second'] or '-'} lines/s"
+    )

@@ -1,0 +1,272 @@
+"""Synthetic corpora and `mtcli distill`: a toy teacher distilled into a smaller toy student end to end, synthesis
+killed and resumed, a real `mtcli serve` as the teacher, back-translation with tags and weights, and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sacrebleu
+from conftest import invoke
+from faults_serve import Server
+from typer.testing import CliRunner
+
+from mtcli.cli import app
+from mtcli.config_loader import load_config
+from mtcli.data import prepare
+from mtcli.errors import MtcliError
+from mtcli.mixture import epoch_examples
+from mtcli.synthetic import Filters, ModelTeacher, file_lines, synthesize
+from mtcli.tokenizer import Tokenizer
+from mtcli.toy import toy_pairs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def error_of(*args) -> str:
+    """The one-line message of the MtcliError a command raises (the CLI prints it as `error: ...`, exit 2)."""
+    with pytest.raises(MtcliError) as info:
+        CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def english_lines(path: Path, n: int, seed: int) -> Path:
+    """`n` toy English sentences (the toy corpus's generator, another seed), with an empty line among them."""
+    lines = [en for en, _ in toy_pairs(n, 0, 0, seed)["train"]]
+    lines[3] = ""
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.name != "synthesis.json"}
+
+
+# A student much smaller than the toy teacher (2+2 layers, d_model 128): 2 encoder layers, 1 decoder layer, d_model 64
+STUDENT = {
+    "model.encoder_layers": 2,
+    "model.decoder_layers": 1,
+    "model.d_model": 64,
+    "model.heads": 2,
+    "model.d_ff": 128,
+    "train.max_updates": 40,
+    "train.valid_every": 20,
+    "train.keep_last": 2,
+    "train.log_every": 20,
+    "distill.average_last": 2,
+    "distill.max_ratio": 0,  # the toy's templates differ in length across languages by design
+    "distill.chunk_lines": 1500,
+}
+
+
+def sets(settings: dict) -> list[str]:
+    return [x for key, value in settings.items() for x in ("--set", f"{key}={value}")]
+
+
+@pytest.mark.slow
+def test_toy_teacher_distils_into_a_smaller_student(toy_run, toy_cache, tmp_path):
+    mono = english_lines(tmp_path / "mono.en", 50, seed=11)
+    run = tmp_path / "student"
+    args = ["distill", "--teacher", toy_run, "--config", "toy.yaml", "--run-dir", run, "--mono", mono]
+    args += sets({"data.cache_dir": toy_cache, **STUDENT})
+    printed = invoke(*args).stdout.strip()
+    assert printed == str(run / "MODEL_CARD.md")
+    card = json.loads((run / "model_card.json").read_text(encoding="utf-8"))
+    assert (run / "MODEL_CARD.md").read_text(encoding="utf-8").startswith("# toy: a distilled en->zh model")
+
+    # The student learnt from the distilled corpus, the distilled --mono text and the original data, as configured
+    corpora = load_config(run / "config.yaml").data.train_corpora
+    assert [c.path for c in corpora] == [str(run / "distill" / "train"), str(run / "distill" / "mono"), None]
+    assert corpora[2].dataset == "toy"
+    assert card["data"]["train"]["lines"] == 4000 and card["data"]["mono"]["lines"] == 50
+    assert card["data"]["mono"]["dropped"]["empty"] == 1
+    assert card["student"]["parameters"] < card["teacher"]["parameters"] / 3
+
+    # Every figure comes from the files the card names
+    refs = (run / "distill" / "eval" / "test.ref.zh").read_text(encoding="utf-8").splitlines()
+    assert card["eval"]["references"] == str(run / "distill" / "eval" / "test.ref.zh")
+    names = [row["system"] for row in card["systems"]]
+    assert names == ["teacher", "student greedy int8", "student beam 4", "student greedy, CTranslate2 int8"]
+    for row in card["systems"]:
+        hyps = Path(row["hypotheses"]).read_text(encoding="utf-8").splitlines()
+        bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="zh")
+        assert row["bleu"] == round(bleu.score, 2)
+        assert row["sentences_per_second"] > 0
+    assert card["systems"][0]["bleu"] > 90  # the toy teacher; the student had 40 updates
+    assert card["systems"][1]["paired"]["bleu"]["p_bs"] <= 1
+    assert Path(card["student"]["export"]["folder"], "model.bin").is_file()
+    assert set(card["steps"]) == {"synthesize", "synthesize_mono", "train", "average", "score", "export"}
+
+    # A second call finds every step done and changes nothing
+    before = (run / "model_card.json").read_bytes()
+    again = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert again.exit_code == 0 and (run / "model_card.json").read_bytes() == before
+
+
+def synthesize_command(teacher, source: Path, out: Path, *extra) -> list[str]:
+    return [sys.executable, "-m", "mtcli", "data", "synthesize", "--teacher", str(teacher), "--input", str(source),
+            "--out", str(out), *map(str, extra)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_synthesis_killed_and_rerun_equals_an_uninterrupted_run(toy_run, tmp_path):
+    source = english_lines(tmp_path / "mono.en", 600, seed=5)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    whole = tmp_path / "whole"
+    subprocess.run(synthesize_command(toy_run, source, whole, "--chunk-lines", 40), env=env, check=True)
+    killed = tmp_path / "killed"
+    child = subprocess.Popen(synthesize_command(toy_run, source, killed, "--chunk-lines", 40), env=env)
+    deadline = time.monotonic() + 120
+    while not len(list(tmp_path.glob(".killed.synthesis-*/chunk-*.jsonl"))) >= 3:
+        assert child.poll() is None and time.monotonic() < deadline, "synthesis ended before it could be killed"
+        time.sleep(0.05)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert not killed.exists()  # nothing under the final name
+    rerun = subprocess.run(synthesize_command(toy_run, source, killed, "--chunk-lines", 40), env=env,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert "resuming after" in rerun.stderr
+    assert files_of(killed) == files_of(whole)
+    assert not list(tmp_path.glob(".killed.synthesis-*"))  # the work folder is gone once the corpus is complete
+    # The same teacher, input and settings again: reused, not translated
+    again = subprocess.run(synthesize_command(toy_run, source, killed, "--chunk-lines", 40), env=env,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert "reusing it" in again.stderr
+
+
+def test_sampled_synthesis_interrupted_resumes_with_the_same_samples(toy_run, tmp_path, monkeypatch):
+    """Back-translation samples; each chunk's stream is seeded by its number, so a resumed run samples the same."""
+    source = file_lines(english_lines(tmp_path / "mono.en", 120, seed=6))
+    teacher = ModelTeacher([toy_run], [], "cpu", sampling=True, top_k=5, precision="fp32")
+    whole = synthesize(teacher, source, tmp_path / "whole", chunk_lines=20, filters=Filters(max_ratio=0))
+    assert whole["lines"] == 120 and whole["dropped"]["empty"] == 1
+
+    original, calls = ModelTeacher.translate, []
+
+    def dies_on_the_fourth_chunk(self, lines, chunk):
+        calls.append(chunk)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(self, lines, chunk)
+
+    monkeypatch.setattr(ModelTeacher, "translate", dies_on_the_fourth_chunk)
+    teacher = ModelTeacher([toy_run], [], "cpu", sampling=True, top_k=5, precision="fp32")
+    with pytest.raises(KeyboardInterrupt):
+        synthesize(teacher, source, tmp_path / "resumed", chunk_lines=20, filters=Filters(max_ratio=0))
+    monkeypatch.setattr(ModelTeacher, "translate", original)
+    synthesize(teacher, source, tmp_path / "resumed", chunk_lines=20, filters=Filters(max_ratio=0))
+    assert files_of(tmp_path / "resumed") == files_of(tmp_path / "whole")
+    greedy = ModelTeacher([toy_run], [], "cpu", beam=1, precision="fp32")
+    plain = synthesize(greedy, source, tmp_path / "greedy", chunk_lines=20, filters=Filters(max_ratio=0))
+    assert plain["key"] != whole["key"]
+    assert files_of(tmp_path / "greedy") != files_of(tmp_path / "whole")  # sampling did sample
+
+
+@pytest.mark.slow
+def test_an_http_teacher_gives_the_same_corpus_as_the_run(toy_run, tmp_path):
+    source = english_lines(tmp_path / "mono.en", 100, seed=7)
+    invoke(*synthesize_command(toy_run, source, tmp_path / "local", "--max-ratio", 0)[3:])
+    server = Server(toy_run)
+    try:
+        url = f"http://127.0.0.1:{server.port}"
+        langs = ["--src-lang", "en", "--tgt-lang", "zh", "--max-ratio", 0]
+        invoke(*synthesize_command(url, source, tmp_path / "http", *langs)[3:])
+    finally:
+        assert server.stop() == 0
+    local, remote = files_of(tmp_path / "local"), files_of(tmp_path / "http")
+    assert remote["train.zh"] == local["train.zh"] and remote["train.en"] == local["train.en"]
+    assert set(remote["train.scores"].decode().split()) == {"nan"}  # LibreTranslate's API gives no scores
+    report = json.loads((tmp_path / "http" / "synthesis.json").read_text())
+    assert report["teacher"] == url and report["kept"] == 99
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_teachers_and_inputs_fail_in_one_line_and_write_nothing(toy_run, toy_cache, tmp_path):
+    mono = english_lines(tmp_path / "mono.en", 10, seed=8)
+    run = tmp_path / "student"
+    base = ["distill", "--teacher", toy_run, "--config", "toy.yaml", "--run-dir", run, *sets(STUDENT)]
+    base += sets({"data.cache_dir": toy_cache})
+    # a teacher whose source language is not the student's
+    message = error_of(*base, "--set", "data.src_lang=de", "--set", "data.tgt_lang=zh")
+    assert "translates en->zh, the student de->zh" in message
+    # a missing monolingual file
+    assert error_of(*base, "--mono", tmp_path / "missing.en") == f"--mono {tmp_path / 'missing.en'}: no such file"
+    # a teacher that is not there
+    assert "no such run directory" in error_of("distill", "--teacher", tmp_path / "nope", "--config", "toy.yaml")
+    assert not run.exists()
+    # an endpoint that is down: retried, then one line naming the address
+    url = f"http://127.0.0.1:{free_port()}"
+    out = tmp_path / "synthetic"
+    started = time.monotonic()
+    message = error_of("data", "synthesize", "--teacher", url, "--input", mono, "--out", out, "--src-lang", "en",
+                       "--tgt-lang", "zh", "--retries", 2)  # fmt: skip
+    assert message.startswith(f"teacher {url}/languages: unreachable after 3 tries") and time.monotonic() - started < 10
+    assert not out.exists() and not list(tmp_path.glob(".synthetic*"))
+    # a distill run directory is not a folder of the user's
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    mine = ["distill", "--teacher", toy_run, "--config", "toy.yaml", "--run-dir", tmp_path / "mine"]
+    assert "is not a distill run" in error_of(*mine, *sets({"data.cache_dir": toy_cache, **STUDENT}))
+    # --out may not hold the input
+    assert "it is also an input" in error_of("data", "synthesize", "--teacher", toy_run, "--input", mono,
+                                             "--out", tmp_path)  # fmt: skip
+
+
+def test_back_translation_flips_pairs_tags_synthetic_sources_and_honours_weights(toy_run, tmp_path):
+    """The en->zh toy run back-translates English text for a zh->en student: its synthetic source is the Chinese."""
+    english = english_lines(tmp_path / "mono.en", 60, seed=9)
+    teacher = ModelTeacher([toy_run], [], "cpu", sampling=True, top_k=3, precision="fp32")
+    report = synthesize(teacher, file_lines(english), tmp_path / "bt", chunk_lines=30, filters=Filters(max_ratio=0))
+    bt_en = (tmp_path / "bt" / "train.en").read_text(encoding="utf-8").splitlines()
+    assert bt_en == [line for line in english.read_text(encoding="utf-8").splitlines() if line]
+    assert report["languages"] == {"source": "en", "target": "zh"}
+
+    cache = tmp_path / "cache"
+    corpora = [
+        {"path": str(tmp_path / "bt"), "tag": "<BT>", "weight": 2},
+        {"dataset": "toy", "split": "train", "weight": 1},
+    ]
+    cfg = load_config("toy.yaml", [f"data.cache_dir={cache}", "data.src_lang=zh", "data.tgt_lang=en"])
+    from mtcli.config_loader import replaced
+
+    cfg = replaced(cfg, **{"data.train_corpora": corpora})
+    data = prepare(cfg)
+    tokenizer = Tokenizer.from_folder(data.folder)
+    assert tokenizer.src.piece_to_id("<BT>") != tokenizer.src.unk_id()  # one piece of its own
+    split = data.split("train")
+    which = np.load(data.folder / "train.corpus.npy")
+    kept_bt = int((which == 0).sum())
+    assert kept_bt == report["kept"]
+    for i in range(len(split)):
+        pieces = tokenizer.src.id_to_piece(split.src(i).tolist())
+        assert (pieces[0] == "<BT>") == (which[i] == 0)
+        assert "<BT>" not in tokenizer.tgt.id_to_piece(split.tgt(i).tolist())
+    examples = epoch_examples(split, np.arange(len(split)), cfg, epoch=1)
+    assert (which[examples] == 0).sum() == 2 * kept_bt and (which[examples] == 1).sum() == (which == 1).sum()
+    # The tag is refused where it could not be one piece
+    with pytest.raises(MtcliError, match="data.train_corpora.tag: must be one word"):
+        replaced(cfg, **{"data.train_corpora": [{"path": "x", "tag": "<B T>"}]})
+
+
+def test_the_shipped_student_configs_are_smaller_where_it_counts():
+    """Deep encoder, shallow decoder: the decoder runs once per output word."""
+    for name, teacher in (("multi30k-student.yaml", "multi30k.yaml"), ("base-student.yaml", "base.yaml")):
+        student, big = load_config(name).model, load_config(teacher).model
+        assert student.decoder_layers < (big.decoder_layers or big.layers)
+        assert student.d_model <= big.d_model
+        assert load_config(name).distill.quantization == "int8"
