@@ -85,6 +85,7 @@ class TrainCorpusConfig:
     # A tag that starts the source of this corpus's pairs only (before data.src_prefix): `<BT>` marks back-translated
     # pairs (tagged back-translation, Caswell et al. 2019). A vocabulary mtcli fits keeps it as one piece.
     tag: str = ""
+    format: Literal["auto", "text", "tsv", "jsonl"] | None = None  # null: data.format
 
     def __post_init__(self):
         where = self.path or self.dataset

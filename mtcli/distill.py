@@ -15,6 +15,7 @@ goes on where it stopped (synthesis after its last chunk, training from its last
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -41,11 +42,13 @@ from mtcli.corpus import split_names
 from mtcli.data import eval_texts
 from mtcli.device import cpu_name
 from mtcli.errors import MtcliError
+from mtcli.export import export_ctranslate2
 from mtcli.line_io import read_lines
 from mtcli.log import format_duration, logger
 from mtcli.outputs import MANIFEST, read_manifest, write_file_atomic
 from mtcli.scoring import ScoreOptions, corpus_scores, sacrebleu_command, sacrebleu_flags, write_lines
-from mtcli.synthetic import Filters, file_lines, open_teacher, split_lines, synthesize
+from mtcli.synthetic import Filters, file_lines, is_url, open_teacher, split_lines, synthesize
+from mtcli.tokenizer import Tokenizer
 from mtcli.train import plain_run_name, train
 from mtcli.translate import Translator, load_translator
 
@@ -62,12 +65,14 @@ class Plan:
     run_dir: Path
     mono: Path | None
     device: str
+    lock: object = None  # the open .distill.lock while this command works in the run directory
 
 
 def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono: Path | None = None, device="auto"):
     """Run every step not yet done (see the module's description); returns the model card's JSON, or None when
     training was interrupted (the run then resumes with the same command)."""
-    plan = Plan(cfg, [str(t) for t in teachers], Path(run_dir or Path("runs") / plain_run_name(cfg.name)), mono, device)
+    run_dir = Path(os.path.abspath(run_dir or Path("runs") / plain_run_name(cfg.name)))  # absolute: the corpora's paths
+    plan = Plan(cfg, [str(t) for t in teachers], run_dir, mono, device)
     check_inputs(plan)
     state = read_state(plan)
     teacher = None
@@ -77,6 +82,7 @@ def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono:
     filters, chunk = synthesis_filters(cfg), cfg.distill.chunk_lines
     train_lines = split_lines(cfg, "train", cfg.data.src_lang)
     open_distill_dir(plan, state)  # only now: every input has been checked
+    plan.lock = lock_run(plan.run_dir)
     run_step(
         plan, state, "synthesize", lambda: synthesize(teacher, train_lines, corpus_dir(plan, "train"), chunk, filters)
     )
@@ -117,11 +123,13 @@ def check_inputs(plan: Plan) -> None:
     if not plan.teachers:
         raise MtcliError("--teacher: give the teacher, a run directory (repeat it for an ensemble) or a URL")
     for teacher in plan.teachers:
-        if not teacher.startswith(("http://", "https://")) and not Path(teacher).exists():
+        if not is_url(teacher) and not Path(teacher).exists():
             raise MtcliError(f"--teacher {teacher}: no such run directory or checkpoint folder")
+    if is_url(plan.teachers[0]) and plan.cfg.distill.drop_worst:
+        raise MtcliError("distill.drop_worst needs the teacher's scores; an HTTP teacher gives none: set it to 0")
     student = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
     for teacher in plan.teachers:
-        if "://" not in teacher:
+        if not is_url(teacher):
             data = read_config(resolve_member(teacher)).data
             if (data.src_lang, data.tgt_lang) != student:
                 raise MtcliError(
@@ -155,16 +163,53 @@ def read_state(plan: Plan) -> dict:
             f"--run-dir {run_dir}: holds {entries[0]} and is not a distill run; give a new or empty folder"
         )
     state_file = run_dir / STATE
-    state = json.loads(state_file.read_text(encoding="utf-8")) if state_file.is_file() else {"steps": {}}
-    given = {"teachers": [str(Path(t).resolve()) if "://" not in t else t for t in plan.teachers]}
+    state = {"steps": {}}
+    if state_file.is_file():
+        try:
+            state = json.loads(state_file.read_text(encoding="utf-8"))
+            if not isinstance(state.get("steps"), dict):
+                raise ValueError("no steps")
+        except (ValueError, AttributeError, TypeError, KeyError) as e:
+            raise MtcliError(f"{state_file}: damaged ({e}); give a new --run-dir") from None
+    given = {"teachers": [t if is_url(t) else str(Path(t).resolve()) for t in plan.teachers]}
     given["mono"] = str(Path(plan.mono).resolve()) if plan.mono else None
-    if state.get("inputs", given) != given:
+    given["config"] = plan.cfg.to_dict()
+    earlier = state.get("inputs", given)
+    if {k: earlier.get(k) for k in ("teachers", "mono")} != {k: given[k] for k in ("teachers", "mono")}:
         raise MtcliError(
-            f"--run-dir {run_dir}: was distilled from {', '.join(state['inputs']['teachers'])} (--mono "
-            f"{state['inputs']['mono']}); give the same teachers and --mono to continue it, or a new --run-dir"
+            f"--run-dir {run_dir}: was distilled from {', '.join(earlier['teachers'])} (--mono {earlier['mono']}); "
+            "give the same teachers and --mono to continue it, or a new --run-dir"
+        )
+    changed = first_difference(earlier.get("config"), given["config"])
+    if changed:
+        raise MtcliError(
+            f"--run-dir {run_dir}: was started with another config ({changed}); give the same config and --set "
+            "to continue it, or a new --run-dir"
         )
     state["inputs"] = given
     return state
+
+
+def first_difference(old, new, prefix: str = "") -> str | None:
+    """The first key (dotted) whose value differs between two config trees, shown as `key: old -> new`."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            found = first_difference(old.get(key), new.get(key), f"{prefix}{key}.")
+            if found:
+                return found
+        return None
+    return None if old == new else f"{prefix.rstrip('.')}: {old} -> {new}"
+
+
+def lock_run(run_dir: Path):
+    """An exclusive lock on the run directory for this distill (the kernel drops it when the process ends)."""
+    lock = open(run_dir / ".distill.lock", "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise MtcliError(f"--run-dir {run_dir}: another mtcli distill is working in it; wait for it") from None
+    return lock
 
 
 def open_distill_dir(plan: Plan, state: dict) -> None:
@@ -210,7 +255,7 @@ def run_step(plan: Plan, state: dict, name: str, work) -> None:
 def teacher_for_synthesis(plan: Plan):
     d = plan.cfg.distill
     langs = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
-    if plan.teachers[0].startswith(("http://", "https://")):
+    if is_url(plan.teachers[0]):
         return open_teacher(plan.teachers, langs)
     return open_teacher(plan.teachers, (None, None), [], plan.device, beam=d.beam, lenpen=d.lenpen, sampling=False)
 
@@ -243,9 +288,10 @@ def student_config(plan: Plan) -> Config:
         where = {"path": data.path} if data.path else {"dataset": data.dataset, "subset": data.subset}
         original = [TrainCorpusConfig(**where, revision=data.revision, split=split_names(data)["train"])]
         original = [replace(original[0], weight=d.original_weight)]
-    corpora = [TrainCorpusConfig(path=str(corpus_dir(plan, "train")), weight=d.distilled_weight)]
+    # the distilled folders hold plain text whatever data.format the original corpus has
+    corpora = [TrainCorpusConfig(path=str(corpus_dir(plan, "train")), weight=d.distilled_weight, format="text")]
     if plan.mono:
-        corpora.append(TrainCorpusConfig(path=str(corpus_dir(plan, "mono")), weight=d.mono_weight))
+        corpora.append(TrainCorpusConfig(path=str(corpus_dir(plan, "mono")), weight=d.mono_weight, format="text"))
     corpora += [c for c in original if c.weight > 0]
     return replaced(cfg, **{"data.train_corpora": [asdict(c) for c in corpora]})
 
@@ -257,6 +303,8 @@ def student_config(plan: Plan) -> Config:
 def choose_student(plan: Plan, student_cfg: Config) -> dict:
     """The run's best checkpoint, or the average of its last checkpoints where that is better on valid (greedy)."""
     best = best_checkpoint(plan.run_dir) or last_checkpoint(plan.run_dir)
+    if best is None:
+        raise MtcliError(f"{plan.run_dir}: the student's training left no checkpoint")
     n = plan.cfg.distill.average_last
     if n < 2 or len(list_checkpoints(plan.run_dir)) < n:
         return {"checkpoint": str(best), "why": "the best on valid (no averaging)"}
@@ -297,16 +345,19 @@ def score_systems(plan: Plan, state: dict) -> dict:
     ref_path = out / f"{role}.ref.{tgt}"
     write_lines(ref_path, refs)
     rows = []
-    if plan.teachers[0].startswith(("http://", "https://")):
+    if is_url(plan.teachers[0]):
         http = open_teacher(plan.teachers, (cfg.data.src_lang, tgt))
         systems = [("teacher", plan.teachers[0], lambda lines: [o.text for o in http.translate(lines, 0)], {})]
     else:
         teacher_ckpt = resolve_member(plan.teachers[0])
         tr, decode = load_translator(teacher_ckpt, read_config(teacher_ckpt), [], plan.device, plan.teachers[1:])
-        systems = [("teacher", str(teacher_ckpt), _translate_with(tr, decode), _settings(tr, decode))]
+        members = {"members": [str(p) for p in [teacher_ckpt, *tr.ensemble]]}
+        systems = [("teacher", str(teacher_ckpt), _translate_with(tr, decode), _settings(tr, decode) | members)]
     student = student_checkpoint(state)
-    for name, options in (("student greedy int8", {"beam": 1, "precision": "int8"}), ("student", {})):
-        tr, decode = load_translator(student, read_config(student), [], plan.device, **options)
+    # int8 is a CPU precision (torch's dynamic quantization): that row runs on the CPU whatever --device says
+    for name, device, options in (("student greedy int8", "cpu", {"beam": 1, "precision": "int8"}),
+                                  ("student", plan.device, {})):  # fmt: skip
+        tr, decode = load_translator(student, read_config(student), [], device, **options)
         if name == "student" and decode.beam == 1:
             continue  # the student's own decode settings are greedy: the int8 row covers them in its precision
         systems.append(
@@ -345,6 +396,7 @@ def _settings(translator: Translator, decode) -> dict:
         "lenpen": decode.lenpen,
         "precision": translator.precision,
         "engine": "mtcli",
+        "device": str(translator.device),
         "threads": torch.get_num_threads(),
     }
 
@@ -360,10 +412,7 @@ def _scores(hyps: list[str], refs: list[str], tgt: str, ref_path: Path, hyp_path
 def export_student(plan: Plan, state: dict) -> dict:
     """The student in CTranslate2 (distill.quantization), and its greedy translation of the eval split there: BLEU,
     chrF, sentences/s on this machine's threads."""
-    import ctranslate2
-
-    from mtcli.export import export_ctranslate2
-    from mtcli.tokenizer import Tokenizer
+    import ctranslate2  # an optional extra (check_inputs has made sure it is there)
 
     kind = plan.cfg.distill.quantization
     folder = export_ctranslate2(student_checkpoint(state), plan.run_dir / "export" / f"ct2-{kind}", kind, force=True)
@@ -373,10 +422,13 @@ def export_student(plan: Plan, state: dict) -> dict:
     threads = torch.get_num_threads()
     engine = ctranslate2.Translator(str(folder), device="cpu", compute_type="auto", intra_threads=threads)
 
-    limit = read_config(student_checkpoint(state)).model.max_positions - 1  # one position for BOS / EOS
+    config = read_config(student_checkpoint(state))
+    limit = config.model.max_positions - 1  # one position for BOS / EOS
+    prefix = config.data.src_prefix if config.decode.src_prefix is None else config.decode.src_prefix
 
     def translate(lines: list[str]) -> list[str]:
-        pieces = [tokenizer.src.encode(s, out_type=str)[:limit] if s else [] for s in lines]
+        ids = tokenizer.encode_src(lines, prefix)
+        pieces = [tokenizer.src_pieces(x[:limit]) if s else [] for s, x in zip(lines, ids)]
         options = dict(beam_size=1, max_batch_size=64, max_decoding_length=limit)
         results = engine.translate_batch(pieces, **options)
         return [tokenizer.tgt.decode(r.hypotheses[0]).strip() if s else "" for s, r in zip(lines, results)]
@@ -394,6 +446,7 @@ def export_student(plan: Plan, state: dict) -> dict:
         "beam": 1,
         "precision": kind,
         "engine": f"ctranslate2 {ctranslate2.__version__}",
+        "device": "cpu",
         "threads": threads,
         "sentences_per_second": round(speed, 1),
         "hypotheses": str(path),
@@ -406,18 +459,22 @@ def export_student(plan: Plan, state: dict) -> dict:
 # The model card
 
 
-def _parameters(checkpoint: Path) -> tuple[int, int]:
-    """Parameters and bytes of a checkpoint's weights file."""
-    path = Path(checkpoint) / "model.safetensors"
-    with safe_open(str(path), "pt") as f:
-        count = sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return count, path.stat().st_size
+def _parameters(checkpoints: list[Path]) -> tuple[int, int]:
+    """Parameters and bytes of the checkpoints' weights files (an ensemble: all its members)."""
+    count = size = 0
+    for checkpoint in checkpoints:
+        path = Path(checkpoint) / "model.safetensors"
+        with safe_open(str(path), "pt") as f:
+            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+        size += path.stat().st_size
+    return count, size
 
 
 def write_card(plan: Plan, state: dict) -> None:
     steps = state["steps"]
     score = steps["score"]
-    systems = list(score["systems"]) + ([steps["export"]["row"]] if "export" in steps else [])
+    rows = list(score["systems"]) + ([steps["export"]["row"]] if "export" in steps else [])
+    systems = [dict(row) for row in rows]  # copies: the paired tests below belong to the card, not to distill.json
     teacher_row, student_rows = systems[0], systems[1:]
     # paired tests of every student row against the teacher, on the hypothesis files the rows name
     refs = read_lines(Path(score["references"]))
@@ -444,9 +501,9 @@ def write_card(plan: Plan, state: dict) -> None:
         "data": {name: _corpus_summary(plan, name) for name in ("train", "mono") if corpus_dir(plan, name).is_dir()},
         "steps": {name: record["seconds"] for name, record in steps.items()},
     }
-    if not teacher_row["model"].startswith(("http://", "https://")):
-        card["teacher"]["parameters"], card["teacher"]["bytes"] = _parameters(Path(teacher_row["model"]))
-    card["student"]["parameters"], card["student"]["bytes"] = _parameters(Path(steps["average"]["checkpoint"]))
+    if not is_url(teacher_row["model"]):
+        card["teacher"]["parameters"], card["teacher"]["bytes"] = _parameters(teacher_row["members"])
+    card["student"]["parameters"], card["student"]["bytes"] = _parameters([steps["average"]["checkpoint"]])
     if "export" in steps:
         card["student"]["export"] = {"folder": steps["export"]["folder"], "bytes": steps["export"]["bytes"]}
     card["summary"] = [_compared(teacher_row, row) for row in student_rows]

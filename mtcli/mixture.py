@@ -18,10 +18,11 @@ from mtcli.corpus import SplitSource, open_splits, source_fingerprint
 
 
 def corpus_config(cfg: DataConfig, corpus: TrainCorpusConfig) -> DataConfig:
-    """The data settings that read one training corpus: its source and split, the rest (languages, format,
-    columns) from `cfg`."""
+    """The data settings that read one training corpus: its source, split and format (when it names one), the rest
+    (languages, columns) from `cfg`."""
     return dataclasses.replace(
         cfg,
+        format=corpus.format or cfg.format,
         path=corpus.path,
         dataset=corpus.dataset,
         subset=corpus.subset,

@@ -19,16 +19,21 @@ output with the same key is reused as it is.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
+import http.client
+import itertools
 import json
 import math
 import os
+import random
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +47,7 @@ from mtcli.errors import MtcliError
 from mtcli.line_io import check_utf8
 from mtcli.log import counted, format_duration, logger, progress_bar
 from mtcli.mixture import corpora_fingerprint
-from mtcli.outputs import new_folder, read_manifest, write_file_atomic
+from mtcli.outputs import check_folder_target, new_folder, read_manifest, write_file_atomic
 from mtcli.translate import load_translator
 
 COMMAND = "data synthesize"
@@ -79,7 +84,11 @@ class ModelTeacher:
     def __init__(self, paths: list[Path], overrides: list[str], device: str, **options):
         checkpoint = resolve_member(paths[0])
         self.config: Config = read_config(checkpoint)
-        self.translator, self.decode = load_translator(checkpoint, self.config, overrides, device, paths[1:], **options)
+        # split_long: a line over the positions is translated in pieces, never cut (a cut line would pair the whole
+        # source with a translation of its start)
+        self.translator, self.decode = load_translator(
+            checkpoint, self.config, overrides, device, paths[1:], split_long=True, **options
+        )
         self.src_lang, self.tgt_lang = self.config.data.src_lang, self.config.data.tgt_lang
         members = [checkpoint, *self.translator.ensemble]
         # what translates: weights and tokenizer files (a training checkpoint's state.pt changes nothing)
@@ -112,32 +121,35 @@ class HttpTeacher:
         self.url, self.src_lang, self.tgt_lang = url.rstrip("/"), src_lang, tgt_lang
         self.api_key, self.retries, self.timeout = api_key, retries, timeout
         self.name = self.url
-        self.retried = 0
+        self.retried = 0  # retries, for the report (requests run in threads: counted under a lock)
+        self.lock = threading.Lock()
         self.check_languages()
 
     def identity(self) -> dict:
         return {"kind": "http", "url": self.url, "source": self.src_lang, "target": self.tgt_lang}
 
     def check_languages(self) -> None:
-        """GET /languages: the server is reachable and translates src_lang -> tgt_lang."""
+        """GET /languages: the server is reachable and translates src_lang -> tgt_lang. LibreTranslate before 1.3
+        lists no `targets`: any of its languages is then taken to translate into any other."""
         offered = self.request("/languages", None)
-        pairs = {
-            (item.get("code"), target)
-            for item in offered
-            if isinstance(offered, list) and isinstance(item, dict)
-            for target in item.get("targets", [])
-        }
+        items = [item for item in offered if isinstance(item, dict)] if isinstance(offered, list) else []
+        codes = {item.get("code") for item in items}
+        if items and not any("targets" in item for item in items):
+            pairs = {(a, b) for a in codes for b in codes if a != b}
+        else:
+            pairs = {(item.get("code"), t) for item in items for t in item.get("targets") or [] if isinstance(t, str)}
         if (self.src_lang, self.tgt_lang) not in pairs:
-            shown = ", ".join(f"{s}->{t}" for s, t in sorted(pairs, key=str)) or "nothing"
+            shown = ", ".join(f"{s}->{t}" for s, t in sorted(pairs, key=str)[:20]) or "nothing"
             raise MtcliError(
                 f"teacher {self.url}: does not translate {self.src_lang}->{self.tgt_lang} (it offers {shown})"
             )
 
     def translate(self, lines: list[str], chunk: int) -> list[TeacherOutput]:
-        batches = [lines[i : i + HTTP_BATCH] for i in range(0, len(lines), HTTP_BATCH)]
+        todo = [line for line in lines if line]  # an empty line is not sent: its output is empty
+        batches = [todo[i : i + HTTP_BATCH] for i in range(0, len(todo), HTTP_BATCH)]
         with concurrent.futures.ThreadPoolExecutor(HTTP_PARALLEL) as pool:
-            answers = list(pool.map(self.translate_batch, batches))
-        texts = [t for answer in answers for t in answer]
+            answers = iter(t for answer in pool.map(self.translate_batch, batches) for t in answer)
+        texts = [next(answers) if line else "" for line in lines]
         return [TeacherOutput(t, float("nan"), len(s), len(t)) for s, t in zip(lines, texts)]
 
     def translate_batch(self, lines: list[str]) -> list[str]:
@@ -157,7 +169,7 @@ class HttpTeacher:
         data = None if payload is None else json.dumps(payload).encode()
         headers = {"Content-Type": "application/json"} if data else {}
         for attempt in range(self.retries + 1):
-            wait = min(0.5 * 2**attempt, 30.0)
+            wait = min(0.5 * 2**attempt, 30.0) * random.uniform(1.0, 1.25)  # jitter: parallel requests spread out
             try:
                 request = urllib.request.Request(url, data, headers, method="GET" if data is None else "POST")
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
@@ -167,15 +179,16 @@ class HttpTeacher:
                     raise MtcliError(f"teacher {url}: HTTP {e.code}: {_error_text(e)}") from None
                 problem = f"HTTP {e.code}"
                 wait = max(wait, _retry_after(e))
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+            except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, bad status lines
                 problem = str(getattr(e, "reason", e)) or type(e).__name__
             except ValueError:
                 raise MtcliError(f"teacher {url}: the answer is not JSON; is this a LibreTranslate server?") from None
             if attempt == self.retries:
                 tries = "1 try" if self.retries == 0 else f"{self.retries + 1} tries"
                 raise MtcliError(f"teacher {url}: unreachable after {tries} ({problem}); check the address") from None
-            self.retried += 1
-            logger.warning(f"teacher {url}: {problem}; retrying in {wait:g} s")
+            with self.lock:
+                self.retried += 1
+            logger.warning(f"teacher {url}: {problem}; retrying in {wait:.1f} s")
             time.sleep(wait)
 
 
@@ -204,7 +217,7 @@ def open_teacher(
     overrides: list[str] | tuple[str, ...] = (),
     device: str = "auto",
     api_key: str | None = None,
-    retries: int = 5,
+    retries: int = 8,
     timeout: float = 120.0,
     **options,
 ):
@@ -244,10 +257,9 @@ class Lines:
     name: str
     total: int
     identity: dict
-    chunks: Callable[
-        [int, int], Iterator[list[str]]
-    ]  # (chunk_lines, first_chunk) -> iterator of line lists, from chunk `first_chunk` on
-    extra: dict = field(default_factory=dict)
+    # (chunk_lines, first_chunk) -> the lines of each chunk from `first_chunk` on
+    chunks: Callable[[int, int], Iterator[list[str]]]
+    changed: Callable[[], bool] = lambda: False  # whether the input differs from what `identity` describes
 
 
 def file_lines(path: Path) -> Lines:
@@ -276,7 +288,12 @@ def file_lines(path: Path) -> Lines:
                 yield batch
 
     identity = {"file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    return Lines(str(path), total, identity, chunks)
+
+    def changed() -> bool:
+        now = path.stat()
+        return (now.st_size, now.st_mtime_ns) != (stat.st_size, stat.st_mtime_ns)
+
+    return Lines(str(path), total, identity, chunks, changed)
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -320,11 +337,10 @@ def split_lines(cfg: Config, role: str, lang: str) -> Lines:
 # The synthesis
 
 
-def synthesis_key(teacher, lines: Lines, chunk_lines: int, filters: Filters) -> str:
-    return fingerprint_hash(
-        {"version": 1, "teacher": teacher.identity(), "input": lines.identity, "chunk_lines": chunk_lines}
-        | {"filters": asdict(filters)}
-    )
+def synthesis_key(teacher, lines: Lines, chunk_lines: int, filters: Filters | None) -> str:
+    """What identifies the translation (filters None: the work folder's chunks) or the finished corpus."""
+    key = {"version": 1, "teacher": teacher.identity(), "input": lines.identity, "chunk_lines": chunk_lines}
+    return fingerprint_hash(key | ({"filters": asdict(filters)} if filters is not None else {}))
 
 
 def synthesize(
@@ -339,28 +355,36 @@ def synthesize(
     """Translate `lines` with `teacher` into the corpus folder `out` (see the module's description); returns the
     report also written to out/synthesis.json. An output with the same key is reused without translating."""
     out = Path(os.path.abspath(out))
-    if filters.min_score is not None or filters.drop_worst:
-        if isinstance(teacher, HttpTeacher):
-            raise MtcliError("--min-score and --drop-worst need the teacher's scores; an HTTP teacher gives none")
+    if (filters.min_score is not None or filters.drop_worst) and isinstance(teacher, HttpTeacher):
+        raise MtcliError("--min-score and --drop-worst need the teacher's scores; an HTTP teacher gives none")
+    if lines.total == 0:
+        raise MtcliError(f"{lines.name}: nothing to translate (no lines)")
     key = synthesis_key(teacher, lines, chunk_lines, filters)
+    # the chunks do not depend on the filters: a run whose filters dropped everything reruns without translating
+    work = out.parent / f".{out.name}.synthesis-{synthesis_key(teacher, lines, chunk_lines, None)}"
     earlier = _finished(out, key)
     if earlier is not None:
+        shutil.rmtree(work, ignore_errors=True)  # left by a run killed right after it published
         logger.info(f"synthesis: {out} already holds this teacher's translation of {lines.name}; reusing it")
         return earlier
-    work = out.parent / f".{out.name}.synthesis-{key[:16]}"
+    check_folder_target(out, COMMAND, force)  # before any work: what would be refused at the end is refused now
+    made = [p for p in reversed(out.parents) if not p.exists()]
     try:
         work.mkdir(parents=True, exist_ok=True)
+        lock = open(work / ".lock", "a+")
     except OSError as e:
         raise MtcliError(f"--out {out}: cannot write beside it ({e.strerror})") from None
-    lock = open(work / ".lock", "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        lock.close()
         raise MtcliError(f"--out {out}: another mtcli process is writing it ({work}); wait for it") from None
     try:
         start = time.time()
         n_chunks = math.ceil(lines.total / chunk_lines)
-        seconds = _translate_chunks(teacher, lines, work, chunk_lines, n_chunks, progress)
+        translated, seconds = _translate_chunks(teacher, lines, work, chunk_lines, n_chunks, progress)
+        if lines.changed():
+            raise MtcliError(f"{lines.name} changed while it was translated; run again to translate the new version")
         report = {
             "key": key,
             "teacher": teacher.name,
@@ -368,18 +392,28 @@ def synthesize(
             "input": lines.name,
             "languages": {"source": teacher.src_lang, "target": teacher.tgt_lang},
             "filters": asdict(filters),
-            "translation_seconds": round(seconds, 1),
+            "translation_seconds": round(seconds, 1),  # this call's; chunks a killed run left are not timed
+            "sentences_per_second": round(translated / seconds, 1) if seconds else None,
         }
         with new_folder(out, COMMAND, force) as tmp:
             counts = _write_corpus(work, n_chunks, tmp, teacher, filters)
+            if counts["kept"] == 0:
+                dropped = ", ".join(f"{n:,} {reason}" for reason, n in counts["dropped"].items() if n)
+                raise MtcliError(f"{lines.name}: the filters dropped all {counts['lines']:,} lines ({dropped})")
             report |= counts | {"seconds": round(time.time() - start, 1)}
-            report["sentences_per_second"] = round(counts["lines"] / seconds, 1) if seconds else None
             if getattr(teacher, "retried", 0):
                 report["http_retries"] = teacher.retried
             (tmp / REPORT).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        shutil.rmtree(work, ignore_errors=True)  # still locked: no other process can be using it
+    except BaseException:
+        if not any(work.glob("chunk-*")):  # nothing worth resuming: leave no trace
+            shutil.rmtree(work, ignore_errors=True)
+            for parent in reversed(made):
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+        raise
     finally:
         lock.close()
-    shutil.rmtree(work, ignore_errors=True)
     logger.info(describe(report, out))
     return report
 
@@ -400,20 +434,20 @@ def _chunk_path(work: Path, index: int) -> Path:
 
 
 def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: int, progress: bool) -> float:
-    """Translate every chunk that has no file yet, in order; returns the seconds spent translating."""
+    """Translate every chunk that has no file yet, in order; returns the lines translated and the seconds spent."""
     done = 0
     while done < n_chunks and _chunk_path(work, done).is_file():
         done += 1
     if done:
         logger.info(f"synthesis: resuming after {counted(done, 'finished chunk')} of {n_chunks} in {work}")
     if done == n_chunks:
-        return 0.0
+        return 0, 0.0
     first_line = done * size
     bar = progress_bar(lines.total, initial=min(first_line, lines.total), unit="line", enabled=progress)
     logger.info(f"synthesis: {teacher.name} translates {counted(lines.total, 'line')} of {lines.name}")
     start = last_log = time.time()
     translated = 0
-    for index, chunk in enumerate(lines.chunks(size, done), done):
+    for index, chunk in enumerate(itertools.islice(lines.chunks(size, done), n_chunks - done), done):
         outputs = teacher.translate(chunk, index)
         rows = [
             json.dumps({"x": x, "t": o.text, "s": _rounded(o.score), "n": [o.src_len, o.out_len]}, ensure_ascii=False)
@@ -432,7 +466,7 @@ def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: in
             )
             last_log = now
     bar.close()
-    return time.time() - start
+    return translated, time.time() - start
 
 
 def _rounded(score: float) -> float | None:
@@ -441,8 +475,14 @@ def _rounded(score: float) -> float | None:
 
 def _read_chunks(work: Path, n_chunks: int) -> Iterator[dict]:
     for index in range(n_chunks):
-        with open(_chunk_path(work, index), encoding="utf-8") as f:
-            yield from (json.loads(line) for line in f)
+        path = _chunk_path(work, index)
+        try:
+            with open(path, encoding="utf-8") as f:
+                yield from (json.loads(line) for line in f)
+        except (OSError, ValueError) as e:
+            raise MtcliError(
+                f"{path}: unreadable ({e}); delete it and run again to translate that chunk anew"
+            ) from None
 
 
 def _write_corpus(work: Path, n_chunks: int, folder: Path, teacher, filters: Filters) -> dict:

@@ -107,10 +107,12 @@ def test_toy_teacher_distils_into_a_smaller_student(toy_run, toy_cache, tmp_path
     assert Path(card["student"]["export"]["folder"], "model.bin").is_file()
     assert set(card["steps"]) == {"synthesize", "synthesize_mono", "train", "average", "score", "export"}
 
-    # A second call finds every step done and changes nothing
+    # A second call finds every step done and changes nothing; another config is refused, naming the key
     before = (run / "model_card.json").read_bytes()
     again = CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
     assert again.exit_code == 0 and (run / "model_card.json").read_bytes() == before
+    message = error_of(*args, "--set", "train.max_updates=50")
+    assert "was started with another config (train.max_updates: 40 -> 50)" in message
 
 
 def synthesize_command(teacher, source: Path, out: Path, *extra) -> list[str]:
@@ -222,6 +224,10 @@ def test_bad_teachers_and_inputs_fail_in_one_line_and_write_nothing(toy_run, toy
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     mine = ["distill", "--teacher", toy_run, "--config", "toy.yaml", "--run-dir", tmp_path / "mine"]
     assert "is not a distill run" in error_of(*mine, *sets({"data.cache_dir": toy_cache, **STUDENT}))
+    # a foreign non-empty --out is refused before anything is translated
+    assert "the folder is not empty" in error_of("data", "synthesize", "--teacher", toy_run, "--input", mono,
+                                                 "--out", tmp_path / "mine")  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "mono.en"]
     # --out may not hold the input
     assert "it is also an input" in error_of("data", "synthesize", "--teacher", toy_run, "--input", mono,
                                              "--out", tmp_path)  # fmt: skip
