@@ -576,6 +576,6 @@ def card_markdown(card: dict) -> str:
             f"- {name}: {d['input']}: {d['lines']:,} lines translated by the teacher, {d['kept']:,} kept "
             f"(dropped: {dropped}); mean teacher score per subword {d['mean_score']}; {d['folder']}"
         )
-    lines += ["", "## Wall time of each step", ""]
+    lines += ["", "## Wall time of each step (of the call that finished it)", ""]
     lines += [f"- {name}: {format_duration(seconds)}" for name, seconds in card["steps"].items()]
     return "\n".join(lines) + "\n"
