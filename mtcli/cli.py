@@ -14,6 +14,7 @@ import typer
 import typer.core
 
 from mtcli import __version__
+from mtcli.config import CT2_QUANTIZATIONS
 from mtcli.config_loader import shipped_config_names
 from mtcli.errors import MtcliError
 from mtcli.log import logger
@@ -418,9 +419,8 @@ def export(
         raise MtcliError(f"--format {format}: choose hf or ctranslate2")
     if format == "hf" and quantization != "none":
         raise MtcliError("--quantization applies to --format ctranslate2 only")
-    kinds = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
-    if quantization not in kinds:
-        raise MtcliError(f"--quantization {quantization}: choose one of {', '.join(kinds)}")
+    if quantization not in CT2_QUANTIZATIONS:
+        raise MtcliError(f"--quantization {quantization}: choose one of {', '.join(CT2_QUANTIZATIONS)}")
     ckpt = resolve_checkpoint(run, checkpoint)
     print(export_hf(ckpt, out, force) if format == "hf" else export_ctranslate2(ckpt, out, quantization, force))
 

@@ -34,6 +34,8 @@ MODEL_LIMITS = {
     "max_positions": 65_536,
 }
 MAX_LAYER_PARAMETERS = 20_000_000_000
+# CTranslate2's weight types (`mtcli export --quantization`, distill.quantization); none: float32
+CT2_QUANTIZATIONS = ("none", "int8", "int8_float32", "int8_float16", "int8_bfloat16", "int16", "float16", "bfloat16")
 MAX_VOCAB = 1_000_000  # the largest vocabularies in use (NLLB, mT5, Gemma) have about 256,000 pieces
 
 
@@ -381,7 +383,7 @@ class DistillConfig:
         _check(1 <= self.chunk_lines <= 1_000_000, "distill.chunk_lines", "must be between 1 and 1,000,000")
         _check(self.average_last >= 0, "distill.average_last", "must be 0 (no averaging) or positive")
         _check(self.eval_split in ("valid", "test"), "distill.eval_split", "must be valid or test")
-        kinds = ("none", "int8", "int8_float32", "int8_bfloat16", "int8_float16", "float16", "bfloat16")
+        kinds = CT2_QUANTIZATIONS
         _check(self.quantization in kinds, "distill.quantization", f"must be one of {', '.join(kinds)}")
 
 

@@ -15,7 +15,6 @@ goes on where it stopped (synthesis after its last chunk, training from its last
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
@@ -46,7 +45,8 @@ from mtcli.export import export_ctranslate2
 from mtcli.line_io import read_lines
 from mtcli.log import format_duration, logger
 from mtcli.outputs import MANIFEST, read_manifest, write_file_atomic
-from mtcli.scoring import ScoreOptions, corpus_scores, sacrebleu_command, sacrebleu_flags, write_lines
+from mtcli.rundir import RunLock
+from mtcli.scoring import ScoreOptions, score, score_files, write_lines
 from mtcli.synthetic import Filters, file_lines, is_url, open_teacher, split_lines, synthesize
 from mtcli.tokenizer import Tokenizer
 from mtcli.train import plain_run_name, train
@@ -65,7 +65,7 @@ class Plan:
     run_dir: Path
     mono: Path | None
     device: str
-    lock: object = None  # the open .distill.lock while this command works in the run directory
+    lock: RunLock | None = None  # held while this command works in the run directory
 
 
 def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono: Path | None = None, device="auto"):
@@ -77,12 +77,11 @@ def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono:
     state = read_state(plan)
     teacher = None
     if not done(state, "synthesize") or (mono and not done(state, "synthesize_mono")):
-        teacher = teacher_for_synthesis(plan)
-        check_teacher_languages(plan, teacher)
+        teacher = teacher_for_synthesis(plan)  # its languages: checked by check_inputs (a run), by asking (a URL)
     filters, chunk = synthesis_filters(cfg), cfg.distill.chunk_lines
     train_lines = split_lines(cfg, "train", cfg.data.src_lang)
     open_distill_dir(plan, state)  # only now: every input has been checked
-    plan.lock = lock_run(plan.run_dir)
+    plan.lock = RunLock(plan.run_dir, ".distill.lock", "distilled")  # train takes .lock itself
     run_step(
         plan, state, "synthesize", lambda: synthesize(teacher, train_lines, corpus_dir(plan, "train"), chunk, filters)
     )
@@ -201,17 +200,6 @@ def first_difference(old, new, prefix: str = "") -> str | None:
     return None if old == new else f"{prefix.rstrip('.')}: {old} -> {new}"
 
 
-def lock_run(run_dir: Path):
-    """An exclusive lock on the run directory for this distill (the kernel drops it when the process ends)."""
-    lock = open(run_dir / ".distill.lock", "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise MtcliError(f"--run-dir {run_dir}: another mtcli distill is working in it; wait for it") from None
-    return lock
-
-
 def open_distill_dir(plan: Plan, state: dict) -> None:
     """Create the run directory (marked as distill's) and its record of steps, if they are not there yet."""
     try:
@@ -260,15 +248,6 @@ def teacher_for_synthesis(plan: Plan):
     return open_teacher(plan.teachers, (None, None), [], plan.device, beam=d.beam, lenpen=d.lenpen, sampling=False)
 
 
-def check_teacher_languages(plan: Plan, teacher) -> None:
-    student = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
-    if (teacher.src_lang, teacher.tgt_lang) != student:
-        raise MtcliError(
-            f"--teacher {plan.teachers[0]}: translates {teacher.src_lang}->{teacher.tgt_lang}, the student "
-            f"{student[0]}->{student[1]}; a teacher must translate what its student learns"
-        )
-
-
 def synthesis_filters(cfg: Config) -> Filters:
     return Filters(max_ratio=cfg.distill.max_ratio, drop_worst=cfg.distill.drop_worst)
 
@@ -286,8 +265,8 @@ def student_config(plan: Plan) -> Config:
         original = [replace(c, weight=c.weight * d.original_weight) for c in data.train_corpora]
     else:
         where = {"path": data.path} if data.path else {"dataset": data.dataset, "subset": data.subset}
-        original = [TrainCorpusConfig(**where, revision=data.revision, split=split_names(data)["train"])]
-        original = [replace(original[0], weight=d.original_weight)]
+        split = split_names(data)["train"]
+        original = [TrainCorpusConfig(**where, revision=data.revision, split=split, weight=d.original_weight)]
     # the distilled folders hold plain text whatever data.format the original corpus has
     corpora = [TrainCorpusConfig(path=str(corpus_dir(plan, "train")), weight=d.distilled_weight, format="text")]
     if plan.mono:
@@ -313,10 +292,7 @@ def choose_student(plan: Plan, student_cfg: Config) -> dict:
     scores = {}
     for ckpt in (best, averaged):
         translator = Translator.from_checkpoint(ckpt, plan.device)
-        hyps = translator.translate(sources, beam=1)
-        scores[str(ckpt)] = corpus_scores(hyps, [refs], student_cfg.data.tgt_lang, ScoreOptions(("bleu",)))["bleu"][
-            "score"
-        ]
+        scores[str(ckpt)] = score(translator.translate(sources, beam=1), refs, student_cfg.data.tgt_lang)["bleu"]
     chosen = str(averaged) if scores[str(averaged)] > scores[str(best)] else str(best)
     logger.info(f"distill: valid BLEU (greedy) {', '.join(f'{k}: {v:.2f}' for k, v in scores.items())}; {chosen}")
     return {"checkpoint": chosen, "why": "the higher valid BLEU (greedy)", "valid_bleu": scores}
@@ -336,7 +312,7 @@ def timed(translate, sources: list[str]) -> tuple[list[str], float]:
 
 def score_systems(plan: Plan, state: dict) -> dict:
     """Teacher (its own decode settings) and student (greedy int8, and its own beam) on distill.eval_split: scores,
-    hypotheses files, sentences/s; paired tests of each student row against the teacher."""
+    hypotheses files, sentences/s (the card adds the paired tests)."""
     cfg = plan.cfg
     role = cfg.distill.eval_split
     sources, refs = eval_texts(cfg, role)
@@ -402,10 +378,11 @@ def _settings(translator: Translator, decode) -> dict:
 
 
 def _scores(hyps: list[str], refs: list[str], tgt: str, ref_path: Path, hyp_path: Path) -> dict:
-    scores = corpus_scores(hyps, [refs], tgt, ScoreOptions(METRICS))
-    result = {m: round(scores[m]["score"], 2) for m in METRICS}
-    result["signatures"] = {m: scores[m]["signature"] for m in METRICS}
-    result["command"] = sacrebleu_command([ref_path], [hyp_path], sacrebleu_flags(METRICS, tgt, False))
+    """BLEU and chrF (rounded as the card shows them), their signatures and the `sacrebleu` call that repeats both."""
+    scores = score_files(hyps, hyp_path, [refs], [ref_path], tgt, ScoreOptions(METRICS))
+    result = {m: round(scores[m], 2) for m in METRICS}
+    result["signatures"] = {m: scores["scores"][m]["signature"] for m in METRICS}
+    result["command"] = scores["command"]
     return result
 
 

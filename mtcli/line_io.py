@@ -166,8 +166,9 @@ def read_lines(path: Path) -> list[str]:
     return lines
 
 
-def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
-    """Raise an error naming the file and line of the first byte sequence that is not UTF-8."""
+def check_utf8(path: Path, chunk_size: int = 1 << 24) -> int:
+    """Raise an error naming the file and line of the first byte sequence that is not UTF-8; return the number of
+    newlines (the lines of a file that ends with one)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     line = 1
     with open(path, "rb") as f:
@@ -186,6 +187,7 @@ def check_utf8(path: Path, chunk_size: int = 1 << 24) -> None:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             raise MtcliError(f"{path}:{line}: not valid UTF-8 (the file ends inside a character)") from None
+    return line - 1
 
 
 def has_bare_cr(path: Path, chunk_size: int = 1 << 24) -> bool:

@@ -21,10 +21,11 @@ from mtcli.outputs import check_run_dir, mark_run_dir
 class RunLock:
     """An exclusive lock on a run directory while one training process writes it, so a second `mtcli train` on the
     same directory is refused instead of interleaving checkpoints. The kernel releases it when the process ends,
-    however it ends, so a killed run never leaves a stale lock; the file names the holder for the error message."""
+    however it ends, so a killed run never leaves a stale lock; the file names the holder for the error message.
+    `mtcli distill` and `mtcli data synthesize` lock their folders the same way, under their own file name."""
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / ".lock"
+    def __init__(self, run_dir: Path, name: str = ".lock", doing: str = "trained", other: str = "--run-dir"):
+        self.path = Path(run_dir) / name
         self.file = open(self.path, "a+", encoding="utf-8")
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -33,8 +34,8 @@ class RunLock:
             holder = self.file.read().strip() or "another process"
             self.file.close()
             raise MtcliError(
-                f"{run_dir} is being trained by {holder} (lock file {self.path}); wait for it to finish, or "
-                "choose another --run-dir"
+                f"{run_dir} is being {doing} by {holder} (lock file {self.path}); wait for it to finish, or "
+                f"choose another {other}"
             ) from None
         self.file.seek(0)
         self.file.truncate()

@@ -10,17 +10,16 @@
 The files are named by language, so the same machinery serves distillation (the teacher's output is the target) and
 back-translation (a target->source teacher: its output is the source side, the original text the target).
 
-Resumable and cached: the work folder is named by a content key (teacher files, input, decode settings, filters),
-a killed run continues after its last finished chunk, and each chunk's translation depends on nothing else (its own
-batches; sampling seeded by the chunk's number), so the result is byte-identical to an uninterrupted run. A finished
-output with the same key is reused as it is.
+Resumable and cached: the work folder is named by a content key (teacher files, input, decode settings; the finished
+corpus's key adds the filters), a killed run continues after its last finished chunk, and each chunk's translation
+depends on nothing else (its own batches; sampling seeded by the chunk's number), so the result is byte-identical to
+an uninterrupted run. A finished output with the same key is reused as it is.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import http.client
 import itertools
 import json
@@ -48,6 +47,7 @@ from mtcli.line_io import check_utf8
 from mtcli.log import counted, format_duration, logger, progress_bar
 from mtcli.mixture import corpora_fingerprint
 from mtcli.outputs import check_folder_target, new_folder, read_manifest, write_file_atomic
+from mtcli.rundir import RunLock
 from mtcli.translate import load_translator
 
 COMMAND = "data synthesize"
@@ -160,7 +160,7 @@ class HttpTeacher:
         texts = answer.get("translatedText") if isinstance(answer, dict) else None
         if not isinstance(texts, list) or len(texts) != len(lines) or not all(isinstance(t, str) for t in texts):
             raise MtcliError(f"teacher {self.url}: /translate answered {str(answer)[:200]}, not one text per line")
-        return [" ".join(t.split()) for t in texts]
+        return [clean(t) for t in texts]
 
     def request(self, route: str, payload: dict | None):
         """The JSON answer of GET (payload None) or POST `route`; connection failures, timeouts, 429 and 5xx are
@@ -267,12 +267,10 @@ def file_lines(path: Path) -> Lines:
     path = Path(path)
     if not path.is_file():
         raise MtcliError(f"--input {path}: no such file")
-    check_utf8(path)
-    with open(path, "rb") as f:
-        total = sum(block.count(b"\n") for block in iter(lambda: f.read(1 << 24), b""))
-    if path.stat().st_size and not _ends_with_newline(path):
-        total += 1
     stat = path.stat()
+    total = check_utf8(path)  # the newlines, counted in the same pass
+    if stat.st_size and not _ends_with_newline(path):
+        total += 1
 
     def chunks(size: int, first: int) -> Iterator[list[str]]:
         with open(path, encoding="utf-8", newline="\n") as f:
@@ -371,14 +369,9 @@ def synthesize(
     made = [p for p in reversed(out.parents) if not p.exists()]
     try:
         work.mkdir(parents=True, exist_ok=True)
-        lock = open(work / ".lock", "a+")
+        lock = RunLock(work, ".lock", "written", "--out")
     except OSError as e:
         raise MtcliError(f"--out {out}: cannot write beside it ({e.strerror})") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.close()
-        raise MtcliError(f"--out {out}: another mtcli process is writing it ({work}); wait for it") from None
     try:
         start = time.time()
         n_chunks = math.ceil(lines.total / chunk_lines)
@@ -413,7 +406,7 @@ def synthesize(
                     parent.rmdir()
         raise
     finally:
-        lock.close()
+        lock.release()
     logger.info(describe(report, out))
     return report
 
@@ -433,7 +426,7 @@ def _chunk_path(work: Path, index: int) -> Path:
     return work / f"chunk-{index:07d}.jsonl"
 
 
-def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: int, progress: bool) -> float:
+def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: int, progress: bool) -> tuple[int, float]:
     """Translate every chunk that has no file yet, in order; returns the lines translated and the seconds spent."""
     done = 0
     while done < n_chunks and _chunk_path(work, done).is_file():
@@ -486,13 +479,14 @@ def _read_chunks(work: Path, n_chunks: int) -> Iterator[dict]:
 
 
 def _write_corpus(work: Path, n_chunks: int, folder: Path, teacher, filters: Filters) -> dict:
-    """The corpus files from the chunks, filtered: two passes over the chunks, never the whole corpus in memory
-    (one float per line for the scores' threshold)."""
-    scores = np.array([np.nan if row["s"] is None else row["s"] for row in _read_chunks(work, n_chunks)])
+    """The corpus files from the chunks, filtered, never the whole corpus in memory: one pass over the chunks, and a
+    first one for --drop-worst (one float per line for the scores' quantile)."""
     threshold = -math.inf if filters.min_score is None else filters.min_score
-    scored = scores[~np.isnan(scores)]
-    if filters.drop_worst and len(scored):
-        threshold = max(threshold, float(np.quantile(scored, filters.drop_worst, method="lower")))
+    if filters.drop_worst:
+        scores = np.array([row["s"] for row in _read_chunks(work, n_chunks) if row["s"] is not None])
+        if len(scores):
+            threshold = max(threshold, float(np.quantile(scores, filters.drop_worst, method="lower")))
+    score_sum, scored = 0.0, 0
     counts = dict.fromkeys(FILTERS, 0)
     src, tgt = teacher.src_lang, teacher.tgt_lang
     names = {"source": f"train.{src}", "target": f"train.{tgt}", "scores": "train.scores"}
@@ -506,6 +500,8 @@ def _write_corpus(work: Path, n_chunks: int, folder: Path, teacher, filters: Fil
         kept = 0
         for number, row in enumerate(_read_chunks(work, n_chunks), 1):
             source, text, score, (src_len, out_len) = row["x"], row["t"], row["s"], row["n"]
+            if score is not None:
+                score_sum, scored = score_sum + score, scored + 1
             reason = None
             if not source or not text:
                 reason = "empty"
@@ -525,12 +521,11 @@ def _write_corpus(work: Path, n_chunks: int, folder: Path, teacher, filters: Fil
             f_tgt.write(text + "\n")
             f_score.write((shown or "nan") + "\n")
     total = sum(counts.values()) + kept
-    mean = float(scored.mean()) if len(scored) else None
     return {
         "lines": total,
         "kept": kept,
         "dropped": counts,
-        "mean_score": None if mean is None else round(mean, 4),
+        "mean_score": round(score_sum / scored, 4) if scored else None,
         "files": names | {"dropped": "dropped.tsv"},
     }
 
