@@ -315,6 +315,9 @@ class DecodeConfig:
     # how lenpen normalizes a finished hypothesis' log-probability: gnmt, ((5 + length) / 6) ** lenpen (Wu et al.
     # 2016; fairseq's and mtcli's recipes), or power, length ** lenpen (CTranslate2's, Transformers' generate)
     length_norm: Literal["gnmt", "power"] = "gnmt"
+    # end a sentence's beam search once `beam` hypotheses have finished (CTranslate2's rule, Transformers'
+    # early_stopping=True): with length_norm power, the search that CTranslate2, Argos and LibreTranslate run
+    early_stopping: bool = False
     max_len_a: float = 2.0  # output length limit: a * source length + b (subwords), capped by model.max_positions
     max_len_b: int = 20
     min_len: int = 1  # output subwords before EOS is allowed (non-empty sources); 0 allows an empty output

@@ -33,6 +33,7 @@ NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with 
     "nbest": int,
     "lenpen": float,
     "length_norm": str,
+    "early_stopping": bool,
     "max_len_a": float,
     "max_len_b": int,
     "min_len": int,

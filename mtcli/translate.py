@@ -191,7 +191,9 @@ class Translator:
             hyps = [[h] for h in greedy_search(*args, decode.min_len)]
         else:
             d = decode
-            hyps = beam_search(*args, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram, d.length_norm)
+            hyps = beam_search(
+                *args, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram, d.length_norm, d.early_stopping
+            )
         texts = iter(self.tokenizer.decode_tgt([h.tokens for sentence in hyps for h in sentence]))
         return [[Translation(next(texts), h.score, h.log_prob, h.tokens) for h in sentence] for sentence in hyps]
 

@@ -137,6 +137,30 @@ def test_beam_waits_for_k_finished_hypotheses_so_a_length_penalty_can_prefer_a_l
     assert best.score > math.log(0.5) / length_penalty(1, 2.0)
 
 
+def test_early_stopping_ends_at_k_finished_hypotheses_as_ctranslate2_does():
+    """Beam 2, power, lenpen 2.0. Step 1 finishes the empty output (log 0.5); step 2 finishes [5] (log 0.3 * 0.9):
+    two finished, so early stopping (CTranslate2's rule) ends there with [5], although the live [4, 6] (log 0.2 * 0.9,
+    length 3 with EOS next) can still beat it: the patient rule waits and takes [4, 6] (log 0.2 * 0.9 * 0.99 / 9)."""
+    table = {
+        (): {EOS: 0.5, 5: 0.3, 4: 0.2},
+        (5,): {EOS: 0.9, 7: 0.1},
+        (4,): {6: 0.9, EOS: 0.1},
+        (4, 6): {EOS: 0.99, 7: 0.01},
+        (5, 7): {EOS: 1.0},
+    }
+    model = MockModel(table)
+    src, mask = src_batch([3])
+
+    def best(early, lenpen=2.0):
+        hyps = beam_search(
+            model, src, mask, torch.tensor([5]), 2, lenpen, min_len=0, length_norm="power", early_stopping=early
+        )
+        return hyps[0][0].tokens
+
+    assert best(True) == [5] and best(False) == [4, 6]
+    assert best(True, 0.0) == best(False, 0.0) == []  # without a length penalty both rules agree
+
+
 def test_max_length_is_respected_and_forces_eos():
     # The model never wants to stop; the limit makes it.
     never_stop = {4: 0.7, 5: 0.2999, EOS: 0.0001}
