@@ -80,6 +80,10 @@ EnsembleOpt = typer.Option(
 )
 DeviceOpt = typer.Option("auto", help="auto, cpu, cuda or cuda:N.")
 ForceOpt = typer.Option(False, "--force", help="Replace this command's own earlier output there (never other files).")
+ProbeOpt = typer.Option(None, "--probe", help="Source lines for the parity report (default: the run's valid split).")
+ProbeRefOpt = typer.Option(None, "--probe-ref", help="References of --probe's lines (reference BLEU in the report).")
+ProbeLinesOpt = typer.Option(500, "--probe-lines", help="At most this many probe lines (plus 7 stress lines).")
+NoCheckOpt = typer.Option(False, "--no-check", help="Write the export even where the parity report diverges.")
 PrecisionOpt = typer.Option(
     None,
     help="auto (bf16 where the device has fast bf16, else fp32), fp32, bf16 or int8 (CPU); default decode.precision.",
@@ -395,34 +399,79 @@ def average(
     print(average_last(run, last, output, force))
 
 
-@app.command(cls=_Command, short_help="Export a checkpoint to Hugging Face Transformers or CTranslate2.")
+@app.command(cls=_Command, short_help="Export a checkpoint to Transformers, CTranslate2 or Argos Translate.")
 def export(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
-    format: str = typer.Option(..., "--format", help="hf (Transformers model + tokenizer) or ctranslate2."),
-    out: Path = typer.Option(..., "--out", help="Folder to write: new or empty (or an earlier export, with --force)."),
+    format: str = typer.Option(
+        ..., "--format", help="hf (Transformers model + tokenizer), ctranslate2, or argos (a .argosmodel package)."
+    ),
+    out: Path = typer.Option(
+        ..., "--out", help="Folder to write (argos: a .argosmodel file): new or empty (or an earlier export: --force)."
+    ),
     force: bool = ForceOpt,
     quantization: str = typer.Option(
         "none", help="CTranslate2 weights: none (float32), int8, int8_float32, float16, bfloat16, int8_bfloat16."
     ),
+    overrides: list[str] = DecodeSetOpt,
+    probe: Path = ProbeOpt,
+    probe_ref: Path = ProbeRefOpt,
+    probe_lines: int = ProbeLinesOpt,
+    no_check: bool = NoCheckOpt,
 ):
-    """Export a checkpoint: a Hugging Face Transformers directory (AutoModelForSeq2SeqLM + AutoTokenizer) or a
-    CTranslate2 model directory with the SentencePiece model beside it. Needs: pip install 'mtcli\\[export]'.
+    """Export a checkpoint: a Hugging Face Transformers directory (AutoModelForSeq2SeqLM + AutoTokenizer), a
+    CTranslate2 model directory with the SentencePiece model beside it, or an Argos Translate package (a .argosmodel
+    file that argostranslate and LibreTranslate install).
+
+    Needs: pip install 'mtcli\\[export]'.
+
+    Every export is checked: the exported model and mtcli translate a probe set (the run's valid split, or --probe,
+    plus stress lines), greedy and beam; the comparison is printed and written to parity.json in the export. An
+    export that diverges (float32: under 99% identical lines or reference BLEU off by over 0.2; int8 and other
+    reduced precisions: BLEU off by over 1.0, or more empty or repeating outputs than mtcli's) is refused with
+    exit status 2 unless --no-check.
+
+    The run's decode settings go into the export where its format has a place for them (Transformers'
+    generation_config.json; mtcli.json's translate_batch arguments for CTranslate2); --set decode.KEY=VALUE changes
+    them, e.g. --set decode.length_norm=power --set decode.early_stopping=true: the search CTranslate2 runs.
 
     Example: mtcli export --run runs/toy --format hf --out toy-hf
-    (or --format ctranslate2 --quantization int8 --out toy-ct2)
+    (or --format ctranslate2 --quantization int8 --out toy-ct2, or --format argos --out toy.argosmodel)
     """
-    from mtcli.checkpoint import resolve_checkpoint
+    from mtcli.checkpoint import read_config, resolve_checkpoint
+    from mtcli.config_loader import with_overrides
     from mtcli.export import export_ctranslate2, export_hf
 
-    if format not in ("hf", "ctranslate2"):
-        raise MtcliError(f"--format {format}: choose hf or ctranslate2")
+    if format not in ("hf", "ctranslate2", "argos"):
+        raise MtcliError(f"--format {format}: choose hf, ctranslate2 or argos")
     if format == "hf" and quantization != "none":
-        raise MtcliError("--quantization applies to --format ctranslate2 only")
+        raise MtcliError("--quantization applies to --format ctranslate2 and argos only")
     if quantization not in CT2_QUANTIZATIONS:
         raise MtcliError(f"--quantization {quantization}: choose one of {', '.join(CT2_QUANTIZATIONS)}")
     ckpt = resolve_checkpoint(run, checkpoint)
-    print(export_hf(ckpt, out, force) if format == "hf" else export_ctranslate2(ckpt, out, quantization, force))
+    parity = parity_options(probe, probe_ref, probe_lines, no_check)
+    decode = with_overrides(read_config(ckpt), overrides, ("decode",)).decode if overrides else None
+    if format == "hf":
+        print(export_hf(ckpt, out, force, parity, decode))
+    elif format == "argos":
+        from mtcli.argos import export_argos
+
+        print(export_argos(ckpt, out, quantization, force, parity, decode))
+    else:
+        print(export_ctranslate2(ckpt, out, quantization, force, parity, decode))
+
+
+def parity_options(probe, probe_ref, probe_lines: int, no_check: bool):
+    from mtcli.parity import ParityOptions
+
+    if probe_lines < 0:
+        raise MtcliError(f"--probe-lines {probe_lines}: must be 0 or more")
+    if probe_ref is not None and probe is None:
+        raise MtcliError("--probe-ref needs --probe (the source lines it is the reference of)")
+    for option, path in (("--probe", probe), ("--probe-ref", probe_ref)):
+        if path is not None and not path.is_file():
+            raise MtcliError(f"{option} {path}: no such file")
+    return ParityOptions(probe, probe_ref, probe_lines, not no_check)
 
 
 @app.command(
@@ -437,6 +486,10 @@ def import_model(
     out: Path = typer.Option(..., "--out", help="Run directory to write: new or empty (an earlier import: --force)."),
     revision: str = typer.Option(None, help="Hub revision (branch, tag or commit) of a Hub name."),
     force: bool = ForceOpt,
+    probe: Path = ProbeOpt,
+    probe_ref: Path = ProbeRefOpt,
+    probe_lines: int = ProbeLinesOpt,
+    no_check: bool = NoCheckOpt,
 ):
     """Import a MarianMT model (config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm,
     vocab.json) as a run directory that translate, eval, export, average and train (--set train.init_from=DIR) take.
@@ -446,7 +499,7 @@ def import_model(
     """
     from mtcli.marian import import_marian
 
-    print(import_marian(hf, out, revision, force))
+    print(import_marian(hf, out, revision, force, parity_options(probe, probe_ref, probe_lines, no_check)))
 
 
 @app.command(cls=_Command, short_help="Draw the cross-attention of a translation as a heat map.")

@@ -20,20 +20,29 @@ What cannot be expressed exactly is refused with the reason, never exported appr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
-import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from mtcli.checkpoint import load_model
+from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-from mtcli.marian import interleaved_to_halves, layer_weight_map, permute_model_dimension
+from mtcli.marian import ROUND_TRIP, interleaved_to_halves, layer_weight_map, permute_model_dimension
 from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
+from mtcli.parity import (
+    CTranslate2Engine,
+    ParityOptions,
+    TransformersEngine,
+    engine_settings,
+    quiet_transformers,
+    run_parity,
+)
 from mtcli.tokenizer import MarianVocabTokenizer
+from mtcli.translate import Translator
 
 
 def _need(module: str):
@@ -70,13 +79,22 @@ def _check_exportable_hf(model) -> None:
 # Hugging Face Transformers
 
 
-def export_hf(checkpoint: Path, out: Path, force: bool = False) -> Path:
+def export_hf(
+    checkpoint: Path,
+    out: Path,
+    force: bool = False,
+    parity: ParityOptions | None = None,
+    decode: DecodeConfig | None = None,
+) -> Path:
     """Write a Transformers model directory (config, safetensors weights, generation config, tokenizer) to `out`
-    (a new or empty folder, or with `force` this export's own earlier output: see mtcli.outputs)."""
+    (a new or empty folder, or with `force` this export's own earlier output: see mtcli.outputs), with its parity
+    report against mtcli (mtcli.parity; refused past its thresholds). parity None: no report. `decode`: the search
+    settings to export (default: the checkpoint's own)."""
     transformers = _need("transformers")
     refuse_input_overlap(out, [checkpoint], "--out")
     check_folder_target(out, "export --format hf", force)  # before the model is built
     model, config, tokenizer = load_model(checkpoint, "cpu")
+    config = replace(config, decode=decode or config.decode)
     _check_exportable_hf(model)
     c, specials = config.model, model.specials
     shared = _shares_embeddings(model)
@@ -115,37 +133,30 @@ def export_hf(checkpoint: Path, out: Path, force: bool = False) -> Path:
         hf_model.load_state_dict(_hf_state_dict(model, hf_model.state_dict()), strict=True)
     except RuntimeError as e:  # a transformers version whose names differ
         raise MtcliError(f"export: weights do not map onto {type(hf_model).__name__}: {str(e)[:300]}") from None
+    search, _ = engine_settings(config.decode, "hf", c.max_positions)  # the run's search, as far as it goes
     hf_model.generation_config = transformers.GenerationConfig(
         decoder_start_token_id=specials.bos,
         bos_token_id=specials.bos,
         eos_token_id=specials.eos,
         pad_token_id=specials.pad,
         suppress_tokens=sorted({specials.pad, specials.bos}),  # as mtcli's search: never padding or a second BOS
-        min_new_tokens=config.decode.min_len,  # as mtcli's search: no EOS before the first token (by default)
+        min_new_tokens=search.min_len,  # as mtcli's search: no EOS before the first token (by default)
         num_beams=config.decode.beam,
-        length_penalty=config.decode.lenpen,
+        length_penalty=search.lenpen,  # power: score / length ** lenpen (GNMT's formula is not expressible)
+        early_stopping=search.early_stopping,
+        no_repeat_ngram_size=search.no_repeat_ngram,
         max_length=c.max_positions,
+        mtcli_decode={k: getattr(config.decode, k) for k in ROUND_TRIP},  # `mtcli import` reads the run's search
     )
-    with new_folder(out, "export --format hf", force) as folder, _quiet(transformers):
+    with new_folder(out, "export --format hf", force) as folder, quiet_transformers(transformers):
         hf_model.save_pretrained(folder)
         _save_hf_tokenizer(tokenizer, config, folder, transformers)
+        if parity is not None:
+            translator = parity_translator(checkpoint, config)
+            engine = TransformersEngine(folder, config.data.src_prefix)
+            run_parity(translator, engine, "hf", "float32", folder, f"--out {out}", parity)
     logger.info(f"exported {checkpoint} as {type(hf_model).__name__} ({c.norm}-norm) to {out}")
     return out
-
-
-@contextlib.contextmanager
-def _quiet(transformers):
-    """Without Transformers' progress bar ("Writing model shards") and its advice to install sacremoses (which
-    MarianTokenizer never uses for SentencePiece models): the export reports its own result."""
-    bars = transformers.utils.logging.is_progress_bar_enabled()
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
-            yield
-    finally:
-        if bars:
-            transformers.utils.logging.enable_progress_bar()
 
 
 def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -223,9 +234,18 @@ def _save_hf_tokenizer(tokenizer, config, out: Path, transformers) -> None:
 # CTranslate2
 
 
-def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = None, force: bool = False) -> Path:
+def export_ctranslate2(
+    checkpoint: Path,
+    out: Path,
+    quantization: str | None = None,
+    force: bool = False,
+    parity: ParityOptions | None = None,
+    decode: DecodeConfig | None = None,
+) -> Path:
     """Write a CTranslate2 model directory (weights quantized as asked) with the SentencePiece model beside it (a new
-    or empty folder, or with `force` this export's own earlier output: see mtcli.outputs)."""
+    or empty folder, or with `force` this export's own earlier output: see mtcli.outputs), and its parity report
+    against mtcli (refused past its thresholds). mtcli.json records the languages and the translate_batch
+    arguments of the run's search (CTranslate2 keeps no decode settings of its own); `decode` as in export_hf."""
     ctranslate2 = _need("ctranslate2")
     from ctranslate2.converters.converter import Converter
 
@@ -233,6 +253,7 @@ def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = N
     check_folder_target(out, "export --format ctranslate2", force)
 
     model, config, tokenizer = load_model(checkpoint, "cpu")
+    config = replace(config, decode=decode or config.decode)
 
     class MtcliConverter(Converter):
         def _load(self):
@@ -245,9 +266,30 @@ def export_ctranslate2(checkpoint: Path, out: Path, quantization: str | None = N
         )
         tokenizer.copy_to(folder)  # spm.model, or spm.src.model and spm.tgt.model: the names a run directory uses
         languages = {"src_lang": config.data.src_lang, "tgt_lang": config.data.tgt_lang}
-        (folder / "mtcli.json").write_text(json.dumps({"checkpoint": str(checkpoint), **languages}))
+        search, _ = engine_settings(config.decode, "ctranslate2", config.model.max_positions)
+        translate_batch = {
+            "beam_size": config.decode.beam,
+            "length_penalty": search.lenpen,
+            "min_decoding_length": search.min_len,
+            "max_decoding_length": search.max_len,
+            "no_repeat_ngram_size": search.no_repeat_ngram,
+        }
+        meta = {"checkpoint": str(checkpoint), **languages, "src_prefix": config.data.src_prefix}
+        (folder / "mtcli.json").write_text(json.dumps(meta | {"translate_batch": translate_batch}, indent=1))
+        if parity is not None:
+            translator = parity_translator(checkpoint, config)
+            engine = CTranslate2Engine(folder, config.data.src_prefix, translator.max_src_tokens)
+            precision = quantization if quantization not in (None, "none") else "float32"
+            run_parity(translator, engine, "ctranslate2", precision, folder, f"--out {out}", parity)
     logger.info(f"exported {checkpoint} to CTranslate2 ({quantization or 'float32'}) in {out}")
     return out
+
+
+def parity_translator(checkpoint: Path, config) -> Translator:
+    """mtcli in float32 on the CPU, with the export's decode settings: the reference the export is compared with."""
+    translator = Translator.from_checkpoint(checkpoint, "cpu", "fp32")
+    translator.config = replace(translator.config, decode=config.decode)
+    return translator
 
 
 def _ctranslate2_spec(model, tokenizer, ctranslate2):

@@ -25,9 +25,16 @@ from mtcli.checkpoint import save_checkpoint, write_best
 from mtcli.config import Config, DataConfig, DecodeConfig, ModelConfig
 from mtcli.errors import MtcliError, error_text
 from mtcli.hub import hub_offline, require_hub
+from mtcli.log import logger
 from mtcli.model import Transformer, sinusoidal_positions
 from mtcli.outputs import check_folder_target, new_folder, refuse_input_overlap
+from mtcli.parity import ParityOptions, TransformersEngine, run_parity
 from mtcli.tokenizer import MarianVocabTokenizer
+from mtcli.translate import Translator
+
+# decode settings an HF export keeps for `mtcli import` (generation_config.json's mtcli_decode), beside those the
+# generation config expresses itself: GNMT normalization and the per-sentence length limit have no place there
+ROUND_TRIP = ("lenpen", "length_norm", "early_stopping", "max_len_a", "max_len_b", "min_len", "no_repeat_ngram")
 
 # mtcli's names inside a layer -> the HF names whose rows, concatenated, make the tensor (fused q/k/v and k/v)
 _SHARED_LAYER = {
@@ -314,10 +321,14 @@ def copy_tokenizer_files(folder: Path, root: Path, separate: bool, out: Path) ->
     return [out / name for name in names]
 
 
-def import_marian(source: str, out: Path, revision: str | None = None, force: bool = False) -> Path:
+def import_marian(
+    source: str, out: Path, revision: str | None = None, force: bool = False, parity: ParityOptions | None = None
+) -> Path:
     """Write an mtcli run directory (config.yaml, the tokenizer, checkpoints/update_00000000 as `best`) holding the
     MarianMT model at `source`; `translate`, `eval`, `export`, `train --set train.init_from=...` take it. `out` is a
-    new or empty folder (or, with `force`, an earlier import): it is written whole or not at all (mtcli.outputs)."""
+    new or empty folder (or, with `force`, an earlier import): it is written whole or not at all (mtcli.outputs).
+    With `parity`, the imported run and Transformers' `generate` on `source` translate a probe set and the run gets
+    parity.json (mtcli.parity; refused past its thresholds); without transformers installed, a note says so."""
 
     out = Path(out)
     refuse_input_overlap(out, [source] if Path(source).exists() else [], "--out")
@@ -343,7 +354,17 @@ def import_marian(source: str, out: Path, revision: str | None = None, force: bo
         except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: "could not parse ModelProto", ...
             reason = error_text(e).replace(str(work), str(folder))
             raise MtcliError(f"{folder}: its tokenizer files (source.spm, target.spm) do not load ({reason})") from None
-        _import_into(work, out.name, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source)
+        checkpoint = _import_into(
+            work, out.name, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source
+        )
+        if parity is not None:
+            try:
+                engine = TransformersEngine(folder)
+            except ImportError:
+                logger.info("note: no parity report: `transformers` is not installed (pip install 'mtcli[export]')")
+            else:
+                translator = Translator.from_checkpoint(checkpoint, "cpu", "fp32")
+                run_parity(translator, engine, "hf", "float32", work, f"--out {out}", parity)
     return out
 
 
@@ -367,6 +388,7 @@ def _import_into(work: Path, name: str, folder, hf, hf_sd, tokenizer_config, gen
     (work / "config.yaml").write_text(config.to_yaml(), encoding="utf-8")
     path = save_checkpoint(work, 0, model, config, tokenizer, metadata={"imported_from": str(source)})
     write_best(work, path, 0, "imported")
+    return path
 
 
 def read_optional_json(path: Path, root: Path) -> dict:
@@ -376,8 +398,9 @@ def read_optional_json(path: Path, root: Path) -> dict:
 def marian_run_config(
     hf: dict, tokenizer_config: dict, generation: dict, name: str, separate: bool, positions: str = "sinusoidal"
 ):
-    """The mtcli config of an imported model: its architecture, languages and beam size. The length penalty is
-    mtcli's GNMT one, at 0 (none): Transformers divides scores by length ** length_penalty, a different formula."""
+    """The mtcli config of an imported model: its architecture, languages and the search `generate` runs with its
+    generation config: beam size, length ** length_penalty (decode.length_norm power; Transformers' default 1.0)
+    and its early_stopping; an mtcli export's own search where its generation config keeps it (mtcli_decode)."""
 
     model = ModelConfig(
         layers=hf["encoder_layers"],
@@ -399,5 +422,15 @@ def marian_run_config(
     )
     src_lang, tgt_lang = tokenizer_config.get("source_lang") or "src", tokenizer_config.get("target_lang") or "tgt"
     data = DataConfig(src_lang=str(src_lang), tgt_lang=str(tgt_lang), joint_vocab=not separate)
-    decode = DecodeConfig(beam=max(1, int(generation.get("num_beams", hf.get("num_beams", 4)) or 4)), lenpen=0.0)
+    setting = lambda key, default: generation.get(key, hf.get(key, default))  # noqa: E731
+    lenpen = float(setting("length_penalty", 1.0) or 0.0)
+    if not 0 <= lenpen <= 10:
+        logger.info(f"note: length_penalty {lenpen:g} is outside mtcli's 0 to 10: imported as 0")
+        lenpen = 0.0
+    beam = max(1, int(setting("num_beams", 4) or 4))
+    if isinstance(generation.get("mtcli_decode"), dict):  # an mtcli export: the run's own search, GNMT included
+        decode = DecodeConfig(beam=beam, **{k: v for k, v in generation["mtcli_decode"].items() if k in ROUND_TRIP})
+    else:
+        early = setting("early_stopping", False) is True  # "never" is the patient rule too
+        decode = DecodeConfig(beam=beam, lenpen=lenpen, length_norm="power", early_stopping=early)
     return Config(name=name, data=data, model=model, decode=decode)

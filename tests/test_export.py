@@ -116,7 +116,7 @@ def test_ctranslate2_beam_search_equals_mtcli_and_int8_is_close(trained, tmp_pat
 
 
 def test_export_refuses_what_it_cannot_hold_and_names_the_extra(toy_run, tmp_path, monkeypatch):
-    with pytest.raises(MtcliError, match="hf or ctranslate2"):
+    with pytest.raises(MtcliError, match="hf, ctranslate2 or argos"):
         from typer.testing import CliRunner
 
         from mtcli.cli import app
@@ -244,6 +244,7 @@ def test_exported_model_imports_back_with_the_same_translations(fixture, request
     back = Translator.from_run(tmp_path / "back", device="cpu", precision="fp32")
     assert "(the imported model)" in capfd.readouterr().err  # never "best by validation": it was not validated
     assert back.model.specials == original.model.specials
+    assert back.config.decode == original.config.decode  # the run's search (GNMT too) round-trips (mtcli_decode)
     assert (back.config.model.norm, back.config.model.positions) == (original.config.model.norm, "sinusoidal")
     sources, _ = eval_texts(original.config, "test")
     for beam in (1, 4):

@@ -178,6 +178,27 @@ def test_greedy_and_beam_equal_transformers_generate(imported):
                     assert ours[i][0].text == texts[i]
 
 
+def test_the_import_searches_as_generate_with_its_generation_config_and_reports_parity(imported):
+    """The run's own decode settings are the model's generation config (num_beams 4, Transformers' default
+    length_penalty 1.0 as decode.length_norm power, early_stopping false): `generate` without search arguments and
+    `mtcli translate` with none give the same outputs (at one length limit); the import wrote its parity report."""
+    home, hf_model, hf_tokenizer = imported
+    translator = Translator.from_run(home / "run", device="cpu", precision="fp32")
+    decode = translator.config.decode
+    assert (decode.beam, decode.lenpen, decode.length_norm, decode.early_stopping) == (4, 1.0, "power", False)
+    lines = sentences(30, 5)
+    with torch.inference_mode():
+        batch = hf_tokenizer(lines, return_tensors="pt", padding=True)
+        generated = hf_model.generate(**batch, max_new_tokens=20, min_new_tokens=1)
+    texts = hf_tokenizer.batch_decode(generated, skip_special_tokens=True)
+    ours = translator.translate(lines, max_len_a=0.0, max_len_b=20)
+    ended = [0 in row[1:].tolist() for row in generated]
+    assert sum(ended) >= 20 and [a for a, e in zip(ours, ended) if e] == [b for b, e in zip(texts, ended) if e]
+    report = json.loads((home / "run" / "parity.json").read_text())
+    assert report["engine"] == "hf" and report["failures"] == [] and report["probe"].startswith("no valid split")
+    assert [r["identical_rate"] for r in report["rows"]] == [1.0, 1.0]
+
+
 def test_eval_takes_a_checkpoint_with_another_run_of_its_vocabulary_and_refuses_another(imported, tmp_path):
     """`eval --run A --checkpoint B` compares the tokenizers themselves: an imported run (vocab.json, one
     SentencePiece model per side) of the same vocabulary is taken, one whose vocabulary differs is refused."""

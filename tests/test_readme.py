@@ -19,6 +19,7 @@ def readme_commands() -> list[str]:
     """`mtcli ...` command lines: from ```bash blocks (comments dropped) and from backticks in tables."""
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", TEXT, re.S):
+        block = re.sub(r"\\\n\s*", " ", block)  # a command continued on the next line is one command
         for line in block.splitlines():
             line = line.split("  #")[0].strip()
             for part in re.split(r"\|| then ", line):
