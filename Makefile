@@ -10,7 +10,7 @@ TORCH ?= auto
 EXTRAS ?= dev,tensorboard,export,plot,serve,langid
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast smoke lint bench bench-serve quality faults clean
+.PHONY: install test test-fast smoke lint bench bench-serve bench-data quality faults clean
 
 install: $(VENV)/.installed
 
@@ -57,6 +57,12 @@ quality: install
 BENCH_SERVE_ARGS ?=
 bench-serve: install
 	$(BIN)/python benchmarks/bench_serve.py $(BENCH_SERVE_ARGS)
+
+# mtcli data prepare on seeded synthetic corpora (4M and 16M pairs, made by the script) and training start-up on the
+# larger cache: wall time, pairs/s per phase, peak RSS of the process tree. BENCH_DATA_ARGS="--pairs 250000": shorter.
+BENCH_DATA_ARGS ?=
+bench-data: install
+	$(BIN)/python benchmarks/bench_data.py $(BENCH_DATA_ARGS)
 
 # The fault matrix: SIGKILLs (at least 20) with exact resume, full disk, NaN, torchrun restarts, a shared run
 # directory, bad input, a 100 MB stdin; prints its counts. FAULTS_ARGS=--kills N sets the number of kills.

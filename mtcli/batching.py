@@ -19,6 +19,8 @@ from mtcli.errors import MtcliError
 from mtcli.log import logger
 from mtcli.tokenizer import MTCLI_SPECIALS, Specials
 
+BLOCK = 1 << 20
+
 
 def token_budget_batches(
     order: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray | None, max_tokens: int, max_sentences: int = 0
@@ -27,17 +29,18 @@ def token_budget_batches(
     longest <= max_tokens on each side (the target side only when tgt_lens is given) and at most max_sentences
     sentences (0: no limit). A sentence longer than max_tokens gets a batch of its own."""
     order = np.asarray(order)
-    s_sorted = src_lens[order].tolist()
-    t_sorted = tgt_lens[order].tolist() if tgt_lens is not None else [0] * len(order)
     batches, start, max_src, max_tgt = [], 0, 0, 0
-    for i in range(len(order)):
-        new_src, new_tgt = max(max_src, s_sorted[i]), max(max_tgt, t_sorted[i])
-        count = i - start + 1
-        full = max_sentences and count > max_sentences
-        if count > 1 and (full or count * new_src > max_tokens or count * new_tgt > max_tokens):
-            batches.append(order[start:i])
-            start, new_src, new_tgt = i, s_sorted[i], t_sorted[i]
-        max_src, max_tgt = new_src, new_tgt
+    for block in range(0, len(order), BLOCK):  # lengths as Python ints a block at a time: memory flat in the corpus
+        s_sorted = src_lens[order[block : block + BLOCK]].tolist()
+        t_sorted = tgt_lens[order[block : block + BLOCK]].tolist() if tgt_lens is not None else [0] * len(s_sorted)
+        for i, (s, t) in enumerate(zip(s_sorted, t_sorted), start=block):
+            new_src, new_tgt = max(max_src, s), max(max_tgt, t)
+            count = i - start + 1
+            full = max_sentences and count > max_sentences
+            if count > 1 and (full or count * new_src > max_tokens or count * new_tgt > max_tokens):
+                batches.append(order[start:i])
+                start, new_src, new_tgt = i, s, t
+            max_src, max_tgt = new_src, new_tgt
     if start < len(order):
         batches.append(order[start:])
     return batches

@@ -1,9 +1,10 @@
-"""Raw parallel text, from wherever it lives, through Hugging Face `datasets` (one code path for every source).
+"""Raw parallel text, from wherever it lives.
 
-Sources: a Hub dataset (or a local folder laid out like one), local files in a folder (`<split>.<lang>` plain text,
-`<split>.tsv`, `<split>.jsonl`), and the built-in toy corpus (generated into the cache folder, then read as local
-files). Each split comes back as a `SplitSource` that yields (sources, targets) in batches, so a WMT-size corpus is
-streamed from Arrow's memory map rather than held in Python lists.
+Sources: a Hub dataset (or a local folder laid out like one) and local JSONL files through Hugging Face `datasets`,
+streamed from Arrow's memory map; local plain text (`<split>.<lang>`) and TSV files read line by line as they are
+(LineFiles: no Arrow copy the size of the corpus on disk, memory flat in its size); the built-in toy corpus
+(generated into the cache folder, then read as local files). Each split comes back as a `SplitSource` that yields
+(sources, targets) in batches, never the whole split in Python lists.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from mtcli.config import DataConfig
 from mtcli.errors import MtcliError
 from mtcli.hub import hub_offline, require_hub
-from mtcli.line_io import check_utf8, has_bare_cr
+from mtcli.line_io import check_utf8
 from mtcli.toy import TOY_VERSION, write_toy_corpus
 
 ROLES = ("train", "valid", "test")
@@ -154,8 +155,25 @@ def _local_layout(cfg: DataConfig, folder: Path, name: str):
     return None
 
 
+_ARROW_CACHE: list[Path] = []  # where local files' Arrow copies go inside `arrow_cache_in` (innermost last)
+
+
+@contextlib.contextmanager
+def arrow_cache_in(folder: Path):
+    """Local files opened inside this block leave the Arrow copy the datasets library makes of them (the size of the
+    text) in `folder`, which the caller removes when done, instead of in the user's Hugging Face cache for good."""
+    _ARROW_CACHE.append(folder)
+    try:
+        yield
+    finally:
+        _ARROW_CACHE.remove(folder)
+
+
 def _load_files(builder: str, path: Path, **kwargs):
     import datasets
+
+    if _ARROW_CACHE:
+        kwargs["cache_dir"] = str(_ARROW_CACHE[-1])
 
     if path.stat().st_size == 0:
         raise MtcliError(
@@ -167,17 +185,6 @@ def _load_files(builder: str, path: Path, **kwargs):
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
     with _quiet_progress(), _no_download_count():
         try:
-            if builder == "text" and has_bare_cr(path):
-                # The `text` builder opens files with universal newlines, so a lone \r inside a line would split it
-                # in two and silently shift every later line against the other side. Only \n ends a line here (as
-                # for wc -l and sacreBLEU); clean() turns the \r into a space.
-                stat = path.stat()
-                return datasets.Dataset.from_generator(
-                    _text_lines,
-                    features=datasets.Features({"text": datasets.Value("string")}),
-                    gen_kwargs={"path": str(path)},
-                    fingerprint=fingerprint_hash(["text-lines", str(path.resolve()), stat.st_size, stat.st_mtime_ns]),
-                )
             return datasets.load_dataset(builder, data_files={"data": str(path)}, split="data", **kwargs)
         except Exception as e:  # the library's own error, cut to one line and tied to the file
             if builder == "json":  # its error names no line ("An error occurred while generating the dataset")
@@ -227,33 +234,72 @@ def jsonl_line(path: Path, row: int) -> int:
     return rows + 1
 
 
-def _text_lines(path: str) -> Iterator[dict[str, str]]:
-    with open(path, encoding="utf-8", newline="\n") as f:
-        for line in f:
-            yield {"text": line.removesuffix("\n").removesuffix("\r")}
+class LineFiles:
+    """Line-aligned text files read together, a line at a time. Rows are asked for in increasing order (batches, a
+    sorted sample, corpora one after the other); an earlier row starts the files again. Only "\n" ends a line (a
+    "\r" before it is dropped, a lone "\r" stays inside its line, as in check_utf8's count and `wc -l`)."""
+
+    def __init__(self, paths: tuple[Path, ...]):
+        self.paths = paths
+        self.files: list = []
+        self.row = 0
+
+    def read(self, rows) -> list[list[str]]:
+        columns: list[list[str]] = [[] for _ in self.paths]
+        for row in rows:
+            if row < self.row or not self.files:
+                self.restart()
+            while self.row < row:  # rows left out (a sample): skip them
+                for f in self.files:
+                    f.readline()
+                self.row += 1
+            for column, f in zip(columns, self.files):
+                column.append(f.readline().removesuffix("\n").removesuffix("\r"))
+            self.row += 1
+        return columns
+
+    def restart(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = [open(p, encoding="utf-8", newline="\n") for p in self.paths]  # noqa: SIM115
+        self.row = 0
+
+
+def count_lines(path: Path) -> int:
+    """The lines of a text file (a last line without "\n" counts), after checking it is UTF-8 and not empty."""
+    if path.stat().st_size == 0:
+        raise MtcliError(
+            f"{path}: the file is empty; a split needs at least one sentence (check data.path and data.splits)"
+        )
+    newlines = check_utf8(path)
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return newlines + (f.read(1) != b"\n")
 
 
 def _open_text_pair(role: str, name: str, src_path: Path, tgt_path: Path) -> SplitSource:
-    src, tgt = _load_files("text", src_path), _load_files("text", tgt_path)
-    if src.num_rows != tgt.num_rows:
+    src_rows, tgt_rows = count_lines(src_path), count_lines(tgt_path)
+    if src_rows != tgt_rows:
         raise MtcliError(
-            f"line counts differ: {src_path} has {src.num_rows} lines, {tgt_path} has {tgt.num_rows}; "
+            f"line counts differ: {src_path} has {src_rows} lines, {tgt_path} has {tgt_rows}; "
             "parallel files must be line-aligned"
         )
 
-    def read(pair, rows):
-        return pair[0][_rows(rows)]["text"], pair[1][_rows(rows)]["text"]
+    def read(files: LineFiles, rows):
+        return tuple(files.read(rows))
 
-    return SplitSource(role, name, src.num_rows, f"{src_path.name} + {tgt_path.name}", (src, tgt), read)
+    pair = LineFiles((src_path, tgt_path))
+    return SplitSource(role, name, src_rows, f"{src_path.name} + {tgt_path.name}", pair, read)
 
 
 def _open_tsv(role: str, name: str, path: Path) -> SplitSource:
-    # Read as text and split on the tab here: a CSV parser would unquote, drop blank lines and turn "NA" into NaN.
-    lines = _load_files("text", path)
+    # Split on the tab here: a CSV parser would unquote, drop blank lines and turn "NA" into NaN.
+    rows = count_lines(path)
 
-    def read(ds, rows):
+    def read(files: LineFiles, rows):
         sources, targets = [], []
-        for row, line in zip(rows, ds[_rows(rows)]["text"]):
+        rows = list(rows)
+        for row, line in zip(rows, files.read(rows)[0]):
             fields = line.split("\t")
             if len(fields) != 2:
                 raise MtcliError(
@@ -263,7 +309,7 @@ def _open_tsv(role: str, name: str, path: Path) -> SplitSource:
             targets.append(fields[1])
         return sources, targets
 
-    return SplitSource(role, name, lines.num_rows, path.name, lines, read)
+    return SplitSource(role, name, rows, path.name, LineFiles((path,)), read)
 
 
 def _open_jsonl(cfg: DataConfig, role: str, name: str, path: Path) -> SplitSource:

@@ -8,10 +8,13 @@ one.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import random
+import re
+import resource
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -21,18 +24,19 @@ from pathlib import Path
 import numpy as np
 import sentencepiece
 
-from mtcli.clean import REASONS, PairFilter, describe_drops, langid_version
+from mtcli.clean import REASONS, ChunkFilter, Deduplicator, clean_line, describe_drops, langid_version
 from mtcli.config import Config, DataConfig
-from mtcli.corpus import describe_source, fingerprint_hash, open_splits, source_fingerprint
+from mtcli.corpus import arrow_cache_in, describe_source, fingerprint_hash, open_splits, source_fingerprint
+from mtcli.encode import Job, available_cores, encoded_chunks
 from mtcli.errors import MtcliError, error_text
-from mtcli.log import logger
+from mtcli.log import logger, progress_bar
 from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
 DTYPES = ("uint16", "int32")  # of the cached ids: uint16 while the vocabulary fits
 EVAL_ROLES = ("valid", "test")
-TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest")  # never change the cached content
+TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest", "workers")  # never change the cached content
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -95,7 +99,9 @@ class EncodedSplit:
 
     @cached_property
     def _offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        return (np.load(self.folder / f"{self.role}.src.idx.npy"), np.load(self.folder / f"{self.role}.tgt.idx.npy"))
+        # memory-mapped: a split of tens of millions of pairs starts training without reading them into RAM
+        load = lambda side: np.load(self.folder / f"{self.role}.{side}.idx.npy", mmap_mode="r")  # noqa: E731
+        return load("src"), load("tgt")
 
     @cached_property
     def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
@@ -231,15 +237,21 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
 
     start = time.time()
     folder.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_work(folder.parent)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    stack = contextlib.ExitStack()
     try:
         # The header comes once the source is open, so a source that cannot be read fails with its error alone.
         notes: list[str] = []
+        phases: dict[str, dict] = {}  # seconds (and pairs/s) of each phase: meta.json keeps them (make bench-data)
+        arrow = tmp / "arrow"
+        stack.enter_context(arrow_cache_in(arrow))  # the datasets library's copies of the text: removed below
         sources = open_sources(data_cfg, folder.parent, notes)
+        phases["open"] = _phase(start, sources["train"].num_rows)
         logger.info(f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}")
-        pair_filter = PairFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
+        pair_filter = ChunkFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
         for note in notes + pair_filter.notes:
             logger.info(note)
         if data_cfg.tokenizer:
@@ -247,12 +259,16 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
             tokenizer = Tokenizer.from_folder(tmp)
             logger.info(f"tokenizer: {data_cfg.tokenizer}'s, as it is (no SentencePiece fitting)")
         else:
+            began = time.time()
             tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
+            phases["sentencepiece"] = _phase(began)
         dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
-        splits = {
-            role: _encode_split(source, tokenizer, tmp, data_cfg, dtype, pair_filter)
-            for role, source in sources.items()
-        }
+        workers = data_cfg.workers or available_cores()
+        splits = {}
+        for role, source in sources.items():
+            began = time.time()
+            splits[role] = _encode_split(source, tokenizer, tmp, data_cfg, dtype, workers)
+            phases[f"encode {role}"] = _phase(began, source.num_rows)
         meta = {
             "key": cache_key(data_cfg),
             "source": describe_source(data_cfg),
@@ -264,16 +280,54 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
             "tgt_vocab_size": tokenizer.tgt_vocab_size,
             "splits": splits,
             "seconds": round(time.time() - start, 1),
+            "workers": workers,
+            "phases": phases,
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
+        shutil.rmtree(arrow, ignore_errors=True)
         shutil.rmtree(folder, ignore_errors=True)  # only reached with force=True or a half-removed folder
         os.replace(tmp, folder)  # atomic: a crash leaves no half-written cache under the real name
     finally:
+        stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
     for line in split_report(meta, data_cfg):
         logger.info(line)
+    phases = [f"{k} {v['seconds']:.1f} s" + (f" ({v['pairs_per_s']:,} pairs/s)" if "pairs_per_s" in v else "")
+              for k, v in meta["phases"].items()]  # fmt: skip
+    logger.info(f"phases ({workers} worker processes): {', '.join(phases)}")
     logger.info(f"cache: {folder} (prepared in {time.time() - start:.1f} s)")
     return PreparedData(folder, meta)
+
+
+def _phase(began: float, pairs: int | None = None) -> dict:
+    """A phase's seconds, pairs/s, and this process's peak memory so far (workers not included)."""
+    seconds = max(time.time() - began, 1e-6)
+    phase = {"seconds": round(seconds, 2), **({"pairs_per_s": round(pairs / seconds)} if pairs is not None else {})}
+    phase["peak_rss_gb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # KiB on Linux
+    return phase
+
+
+STALE_WORK = re.compile(r"\.(.+-[0-9a-f]{12})\.tmp-(\d+)")  # a prepare's work folder: .<cache folder>.tmp-<pid>
+
+
+def remove_stale_work(cache_dir: Path) -> None:
+    """Remove the work folders of prepares that died without cleaning up (SIGKILL, a machine's crash): those whose
+    process is gone. A prepare still running (its pid alive) keeps its folder."""
+    for path in cache_dir.iterdir():
+        match = STALE_WORK.fullmatch(path.name)
+        if match and path.is_dir() and not _alive(int(match[2])):
+            logger.info(f"data: removing {path}, left by a prepare that was stopped (process {match[2]} is gone)")
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
@@ -290,18 +344,9 @@ def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:
         raise MtcliError(f"no {role} split in {describe_source(cfg.data)} (data.splits.{role})")
     src_lines, tgt_lines = [], []
     for s, t in sources[role].batches():
-        src_lines += [clean(x) for x in s]
-        tgt_lines += [clean(x) for x in t]
+        src_lines += [clean_line(x) for x in s]
+        tgt_lines += [clean_line(x) for x in t]
     return src_lines, tgt_lines
-
-
-def clean(line: str | None) -> str:
-    """Whitespace runs (and newlines inside a field) to one space, stripped; None (a JSON null) to empty; a byte-order
-    mark (U+FEFF, which a file may start with) removed."""
-    if line is None:
-        return ""
-    text = line if isinstance(line, str) else str(line)  # a JSON number: its text
-    return " ".join(text.replace("\ufeff", "").split())
 
 
 def split_report(meta: dict, cfg: DataConfig) -> list[str]:
@@ -321,16 +366,17 @@ def split_report(meta: dict, cfg: DataConfig) -> list[str]:
 
 
 def _train_tokenizer(train, folder: Path, cfg: DataConfig) -> Tokenizer:
-    n = min(train.num_rows, cfg.spm_sample)
+    # data.spm_sample counts sentences: a joint vocabulary reads both sides of half as many pairs
+    n = min(train.num_rows, cfg.spm_sample // 2 if cfg.joint_vocab else cfg.spm_sample)
     rows = sorted(random.Random(0).sample(range(train.num_rows), n)) if n < train.num_rows else None
     src_lines, tgt_lines = [], []
     for sources, targets in train.batches(indices=rows):
-        src_lines += [s for s in map(clean, sources) if s]  # the text exactly as _encode_split will encode it
-        tgt_lines += [t for t in map(clean, targets) if t]
+        src_lines += [s for s in map(clean_line, sources) if s]  # the text exactly as _encode_split will encode it
+        tgt_lines += [t for t in map(clean_line, targets) if t]
     kind = "joint" if cfg.joint_vocab else "separate"
     logger.info(
         f"sentencepiece: {kind} {cfg.spm_model_type} vocabulary of {cfg.vocab_size} (character coverage "
-        f"{character_coverage(cfg):g}), fitted on {n:,} of {train.num_rows:,} training pairs"
+        f"{character_coverage(cfg):g}), fitted on {n:,} of {train.num_rows:,} training pairs (data.spm_sample)"
     )
     if not src_lines or not tgt_lines:
         raise MtcliError(
@@ -355,9 +401,9 @@ def tag_ids(tokenizer: Tokenizer, tag: str) -> list[int]:
     return ids[1:] if len(ids) > 1 and tokenizer.src_pieces(ids[:1]) == ["▁"] else ids
 
 
-def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str, pair_filter) -> dict:
-    """Encode one split in chunks, appending to flat id files; train pairs go through `pair_filter` (a PairFilter),
-    eval pairs are kept as they are."""
+def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str, workers: int) -> dict:
+    """Encode one split on `workers` processes (mtcli.encode), appending to flat id files; train pairs go through
+    the filters (clean.ChunkFilter, then the duplicate check in order), eval pairs are kept as they are."""
     role, is_train = source.role, source.role == "train"
     counts = {
         "name": source.name,
@@ -367,50 +413,67 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
         "src_tokens": 0,
         "tgt_tokens": 0,
     }
-    offsets = {"src": [0], "tgt": [0]}
     tally = CorpusTally(source.corpora) if source.corpora else None  # several training corpora: which pair is whose
     tags = [tag_ids(tokenizer, c.tag) for c in cfg.train_corpora] if any(c.tag for c in cfg.train_corpora) else []
+    job = Job(folder, cfg, is_train, tags)
+    dedup = Deduplicator(cfg.clean.duplicates)
+    corpus_ids = tally.ids if tally is not None and tags else None
+    bar = progress_bar(source.num_rows, unit="pair")
+    bar.set_description(f"encode {role}")
     files = {side: open(folder / f"{role}.{side}.bin", "wb") for side in ("src", "tgt")}
+    lengths = {side: open(folder / f"{role}.{side}.len.tmp", "wb") for side in ("src", "tgt")}
     texts = (
-        {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
-        if not is_train
-        else {}
+        {}
+        if is_train
+        else {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
     )
     try:
-        for sources, targets in source.batches():
-            sources, targets = [clean(s) for s in sources], [clean(t) for t in targets]
-            counts["total"] += len(sources)
-            src_ids, tgt_ids = tokenizer.encode_src(sources, cfg.src_prefix), tokenizer.encode_tgt(targets)
-            if tally is not None and tags:  # data.train_corpora tags: first in the source of their own corpus's pairs
-                corpus = tally.ids(counts["total"] - len(sources), len(sources))
-                src_ids = [tags[c] + ids if tags[c] and ids else ids for c, ids in zip(corpus, src_ids)]
-            keep = []
-            for s, t, si, ti in zip(sources, targets, src_ids, tgt_ids):
-                if is_train:
-                    reason = pair_filter.reason(s, t, si, ti)
-                else:  # kept whatever they hold; the report notes the empty and the over-long ones
-                    reason = "empty" if not s or not t else "too_long" if max(len(si), len(ti)) > cfg.max_len else None
-                if reason is not None:
-                    counts[reason] += 1
-                keep.append(reason is None or not is_train)
-            if tally is not None:
-                tally.add(counts["total"] - len(sources), keep)
-            for side, ids in (("src", src_ids), ("tgt", tgt_ids)):
-                kept = [x for x, k in zip(ids, keep) if k]
-                lengths = np.fromiter((len(x) for x in kept), dtype=np.int64, count=len(kept))
-                flat = np.fromiter((i for x in kept for i in x), dtype=dtype, count=int(lengths.sum()))
-                flat.tofile(files[side])
-                offsets[side].extend((offsets[side][-1] + np.cumsum(lengths)).tolist())
-                counts[f"{side}_tokens"] += int(lengths.sum())
-            for side, lines in (("src", sources), ("tgt", targets)):
-                if side in texts:
+        for chunk in encoded_chunks(source, job, workers if is_train else 1, corpus_ids):
+            n = len(chunk.src_len)
+            counts["total"] += n
+            if is_train:
+                reasons = dedup.decide(chunk.before, chunk.keys, chunk.after)
+                keep = reasons == 0
+                found = np.bincount(reasons, minlength=len(REASONS) + 1)
+                for code, reason in enumerate(REASONS, start=1):
+                    counts[reason] += int(found[code])
+            else:  # kept whatever they hold; the report notes the empty and the over-long ones
+                keep = np.ones(n, dtype=bool)
+                empty = np.array([not a or not b for a, b in zip(*chunk.texts)], dtype=bool)
+                counts["empty"] += int(empty.sum())
+                counts["too_long"] += int((~empty & (np.maximum(chunk.src_len, chunk.tgt_len) > cfg.max_len)).sum())
+                for side, lines in zip(("src", "tgt"), chunk.texts):
                     texts[side].writelines(line + "\n" for line in lines)
-            counts["kept"] += sum(keep)
+            if tally is not None:
+                tally.add(chunk.start, keep.tolist())
+            for side, flat, length in (("src", chunk.src, chunk.src_len), ("tgt", chunk.tgt, chunk.tgt_len)):
+                kept = flat[np.repeat(keep, length)]
+                kept.astype(dtype).tofile(files[side])
+                length[keep].astype(np.int64).tofile(lengths[side])
+                counts[f"{side}_tokens"] += len(kept)
+            counts["kept"] += int(keep.sum())
+            bar.update(n)
     finally:
-        for f in (*files.values(), *texts.values()):
+        bar.close()
+        for f in (*files.values(), *lengths.values(), *texts.values()):
             f.close()
     for side in ("src", "tgt"):
-        np.save(folder / f"{role}.{side}.idx.npy", np.asarray(offsets[side], dtype=np.int64))
+        _write_offsets(folder / f"{role}.{side}.len.tmp", folder / f"{role}.{side}.idx.npy")
     if tally is not None:
         counts["corpora"] = tally.save(folder / f"{role}.corpus.npy")
     return counts
+
+
+def _write_offsets(lengths_file: Path, out: Path, block: int = 1 << 20) -> None:
+    """Offsets (0, then the running sum of the lengths) as a .npy file, a block at a time: memory flat in the
+    split's size."""
+    lengths = np.memmap(lengths_file, dtype=np.int64, mode="r") if lengths_file.stat().st_size else np.zeros(0, int)
+    offsets = np.lib.format.open_memmap(out, mode="w+", dtype=np.int64, shape=(len(lengths) + 1,))
+    offsets[0] = total = 0
+    for start in range(0, len(lengths), block):
+        part = np.cumsum(lengths[start : start + block]) + total
+        offsets[start + 1 : start + 1 + len(part)] = part
+        total = int(part[-1])
+    offsets.flush()
+    del offsets, lengths
+    lengths_file.unlink()

@@ -39,9 +39,10 @@ import numpy as np
 import torch
 
 from mtcli.checkpoint import read_config, resolve_member
+from mtcli.clean import clean_line
 from mtcli.config import Config
 from mtcli.corpus import fingerprint_hash, source_fingerprint, split_names
-from mtcli.data import clean, open_sources
+from mtcli.data import open_sources
 from mtcli.errors import MtcliError
 from mtcli.line_io import check_utf8
 from mtcli.log import counted, format_duration, logger, progress_bar
@@ -160,7 +161,7 @@ class HttpTeacher:
         texts = answer.get("translatedText") if isinstance(answer, dict) else None
         if not isinstance(texts, list) or len(texts) != len(lines) or not all(isinstance(t, str) for t in texts):
             raise MtcliError(f"teacher {self.url}: /translate answered {str(answer)[:200]}, not one text per line")
-        return [clean(t) for t in texts]
+        return [clean_line(t) for t in texts]
 
     def request(self, route: str, payload: dict | None):
         """The JSON answer of GET (payload None) or POST `route`; connection failures, timeouts, 429 and 5xx are
@@ -278,7 +279,7 @@ def file_lines(path: Path) -> Lines:
             for i, line in enumerate(f):
                 if i < first * size:
                     continue
-                batch.append(clean(line))
+                batch.append(clean_line(line))
                 if len(batch) == size:
                     yield batch
                     batch = []
@@ -320,7 +321,7 @@ def split_lines(cfg: Config, role: str, lang: str) -> Lines:
     def chunks(size: int, first: int) -> Iterator[list[str]]:
         for start in range(first * size, split.num_rows, size):
             pair = split._read(split._dataset, range(start, min(start + size, split.num_rows)))
-            yield [clean(x) for x in pair[side]]
+            yield [clean_line(x) for x in pair[side]]
 
     corpora = role == "train" and data.train_corpora
     identity = {

@@ -11,7 +11,7 @@ import yaml
 from conftest import losses
 
 from mtcli import checkpoint as ckpt
-from mtcli.clean import LanguageId, PairFilter, longest_run, other_script_share, script_pattern
+from mtcli.clean import ChunkFilter, LanguageId, longest_run, other_script_share, script_pattern
 from mtcli.config_loader import load_config
 from mtcli.data import prepare
 from mtcli.errors import MtcliError
@@ -108,7 +108,7 @@ def test_script_shares_runs_and_languages_without_a_script(tmp_path):
     assert other_script_share("ラーメンを食べた", script_pattern("ja")) == 0  # ー is Hiragana and Katakana's
     assert other_script_share("Привет, мир", script_pattern("sr")) == 0 and script_pattern("xx") is None
     assert longest_run([5, 5, 7, 7, 7, 5]) == 3 and longest_run([]) == 0
-    notes = PairFilter(make_config(tmp_path, {"path": "corpus", "src_lang": "xx"}).data).notes
+    notes = ChunkFilter(make_config(tmp_path, {"path": "corpus", "src_lang": "xx"}).data).notes
     assert notes == ["note: data.clean.max_other_script: no script known for `xx`, so that side is not checked"]
 
 

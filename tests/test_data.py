@@ -17,9 +17,10 @@ from conftest import tiny_pairs
 
 import mtcli.data
 from mtcli.batching import epoch_batches, padding_counts
+from mtcli.clean import clean_line
 from mtcli.config_loader import load_config
 from mtcli.corpus import split_names
-from mtcli.data import clean, eval_texts, prepare
+from mtcli.data import eval_texts, prepare
 from mtcli.errors import MtcliError
 from mtcli.line_io import check_utf8, has_bare_cr
 from mtcli.toy import REQUIRED_TRAIN_PAIR, toy_pairs, write_toy_corpus
@@ -99,7 +100,7 @@ def test_each_local_format_loads(tmp_path, layout):
         assert counts["total"] == counts["kept"] == len(pairs) == len(data.split(role))
     for role in ("valid", "test"):
         split = data.split(role)
-        expected = ([clean(s) for s, _ in corpus[role]], [clean(t) for _, t in corpus[role]])
+        expected = ([clean_line(s) for s, _ in corpus[role]], [clean_line(t) for _, t in corpus[role]])
         assert split.texts() == expected
         assert eval_texts(cfg, role) == expected  # what `mtcli eval` reads
         assert decode_all(data, split) == expected
@@ -517,8 +518,8 @@ def test_train_pairs_are_cleaned_and_counted_eval_pairs_kept(tmp_path, log):
     valid = data.meta["splits"]["valid"]
     assert valid["total"] == valid["kept"] == len(data.split("valid")) == 11  # eval splits are never filtered
     assert data.split("valid").texts() == (
-        [clean(s) for s, _ in bad + normal[:5]],
-        [clean(t) for _, t in bad + normal[:5]],
+        [clean_line(s) for s, _ in bad + normal[:5]],
+        [clean_line(t) for _, t in bad + normal[:5]],
     )
 
     # 0 disables the ratio filter; `Hund` 8 times in a row is then caught by data.clean.max_repeat (6)
@@ -653,7 +654,7 @@ def test_multi30k_local_files(shared_data, corpus_cache, log):
     test = data.split("test")
     src_lines = (folder / "test_2016_flickr.en").read_text(encoding="utf-8").splitlines()
     tgt_lines = (folder / "test_2016_flickr.de").read_text(encoding="utf-8").splitlines()
-    assert test.texts() == ([clean(x) for x in src_lines], [clean(x) for x in tgt_lines])
+    assert test.texts() == ([clean_line(x) for x in src_lines], [clean_line(x) for x in tgt_lines])
     decoded = decode_all(data, test)[1]
     assert sum(d == r for d, r in zip(decoded, test.texts()[1])) >= 0.99 * len(decoded)
 
@@ -684,7 +685,7 @@ def test_tatoeba_local_files_without_test_split(shared_data, corpus_cache):
         eval_texts(cfg, "test")
     valid = data.split("valid")
     references = (folder / "valid.zh").read_text(encoding="utf-8").splitlines()
-    assert valid.texts()[1] == [clean(x) for x in references]
+    assert valid.texts()[1] == [clean_line(x) for x in references]
     assert decode_all(data, valid)[1] == valid.texts()[1]  # byte fallback: no <unk>, full-width punctuation kept
 
 
@@ -769,7 +770,7 @@ def test_byte_order_marks_and_crlf_are_accepted(tmp_path):
     b = prepare(make_config(tmp_path, {"path": str(marked), "spm_normalization": "identity"}))
     first = lambda data: data.split("train").src(0).tolist()  # noqa: E731
     assert first(a) == first(b) and len(a.split("train")) == len(b.split("train")) == 200
-    assert clean("\ufeffthe  cat ") == "the cat"
+    assert clean_line("\ufeffthe  cat ") == "the cat"
 
 
 def test_a_megabyte_line_is_filtered_and_counted(tmp_path, log):

@@ -83,7 +83,7 @@ def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path, toy_c
         "data.max_ratio=0",
         "data.splits={train: train, valid: valid, test: test}",
         "data.hub_splits=null",
-        "data.spm_sample=1000000",
+        "data.spm_sample=500000",
         f"data.cache_dir={toy_cache}",
         "train.max_tokens=256",
         "train.tokens_per_update=0",

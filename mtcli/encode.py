@@ -1,0 +1,106 @@
+"""Encoding a split on every core: chunks of raw pairs -> cleaned text -> SentencePiece ids -> filter verdicts.
+
+`encoded_chunks` reads the split in the main process and hands chunks of 10,000 pairs to `data.workers` worker
+processes (started with `spawn`: this module and what it imports are all a worker loads), a few chunks ahead and no
+more, so memory stays flat; results come back in the corpus's order. What a worker computes depends on its chunk
+alone (the duplicate check, which needs the corpus's order, is the main process's: clean.Deduplicator), so the cache
+is byte-identical for any number of workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mtcli.clean import ChunkFilter, clean_line, flatten
+from mtcli.config import DataConfig
+from mtcli.tokenizer import Tokenizer
+
+CHUNK = 10_000  # pairs a worker encodes at a time
+# Splits smaller than this are encoded in this process: starting workers (a second or two each) costs more than
+# they save on a few chunks
+MIN_PARALLEL = 100_000
+AHEAD = 2  # chunks in flight per worker: enough to keep every worker busy, few enough to keep memory flat
+
+
+@dataclass
+class Job:
+    """What every chunk of one split shares: sent to each worker once."""
+
+    tokenizer_folder: Path
+    cfg: DataConfig
+    is_train: bool
+    tags: list[list[int]]  # source ids put first in the pairs of each of data.train_corpora (empty: none)
+
+
+@dataclass
+class EncodedChunk:
+    start: int  # the first pair's row in the split
+    src: np.ndarray  # the ids of every pair's source, concatenated (int32)
+    tgt: np.ndarray
+    src_len: np.ndarray  # ids per pair (int64)
+    tgt_len: np.ndarray
+    before: np.ndarray | None  # train: ChunkFilter verdicts (uint8 codes, uint64 keys, uint8 codes)
+    keys: np.ndarray | None
+    after: np.ndarray | None
+    texts: tuple[list[str], list[str]] | None  # eval splits: the cleaned lines, which the cache keeps as text
+
+
+_worker: dict = {}  # this process's tokenizer and filter (set by _start)
+
+
+def _start(job: Job, threads: int) -> None:
+    tokenizer = Tokenizer.from_folder(job.tokenizer_folder)
+    tokenizer.threads = threads  # one per worker: the workers are the parallelism
+    _worker.update(job=job, tokenizer=tokenizer, filter=ChunkFilter(job.cfg) if job.is_train else None)
+
+
+def _encode(task: tuple[int, list, list, np.ndarray | None]) -> EncodedChunk:
+    start, sources, targets, corpus = task
+    job, tokenizer, pair_filter = _worker["job"], _worker["tokenizer"], _worker["filter"]
+    sources, targets = [clean_line(s) for s in sources], [clean_line(t) for t in targets]
+    src_ids, tgt_ids = tokenizer.encode_src(sources, job.cfg.src_prefix), tokenizer.encode_tgt(targets)
+    if corpus is not None:  # data.train_corpora tags: first in the source of their own corpus's pairs
+        src_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus.tolist(), src_ids)]
+    verdicts = pair_filter.verdicts(sources, targets, src_ids, tgt_ids) if pair_filter else (None, None, None)
+    src, src_bounds = flatten(src_ids)
+    tgt, tgt_bounds = flatten(tgt_ids)
+    texts = None if job.is_train else (sources, targets)
+    return EncodedChunk(
+        start, src.astype(np.int32), tgt.astype(np.int32), np.diff(src_bounds), np.diff(tgt_bounds), *verdicts, texts
+    )
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def encoded_chunks(source, job: Job, workers: int, corpus_ids=None) -> Iterator[EncodedChunk]:
+    """The split's chunks, encoded, in order. `corpus_ids(start, n)`: which of data.train_corpora each pair of a
+    chunk comes from (tags), or None."""
+    tasks = (
+        (start, s, t, corpus_ids(start, len(s)) if corpus_ids else None)
+        for start, (s, t) in zip(range(0, source.num_rows, CHUNK), source.batches(CHUNK))
+    )
+    if workers <= 1 or source.num_rows < MIN_PARALLEL:
+        _start(job, available_cores())
+        yield from map(_encode, tasks)
+        return
+    context = multiprocessing.get_context("spawn")  # fork would copy the parent's memory (and torch's threads)
+    with context.Pool(workers, initializer=_start, initargs=(job, 1)) as pool:
+        pending: deque = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(_encode, (task,)))
+            if len(pending) >= AHEAD * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
