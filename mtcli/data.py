@@ -27,7 +27,7 @@ import sentencepiece
 from mtcli.clean import REASONS, ChunkFilter, Deduplicator, clean_line, describe_drops, langid_version
 from mtcli.config import Config, DataConfig
 from mtcli.corpus import arrow_cache_in, describe_source, fingerprint_hash, open_splits, source_fingerprint
-from mtcli.encode import Job, available_cores, encoded_chunks
+from mtcli.encode import Job, available_cores, encoded_chunks, workers_for
 from mtcli.errors import MtcliError, error_text
 from mtcli.log import logger, progress_bar
 from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
@@ -268,7 +268,8 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
         for role, source in sources.items():
             began = time.time()
             splits[role] = _encode_split(source, tokenizer, tmp, data_cfg, dtype, workers)
-            phases[f"encode {role}"] = _phase(began, source.num_rows)
+            used = workers_for(source.num_rows, workers) if role == "train" else 1
+            phases[f"encode {role}"] = {**_phase(began, source.num_rows), "workers": used}
         meta = {
             "key": cache_key(data_cfg),
             "source": describe_source(data_cfg),
@@ -292,9 +293,13 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
         shutil.rmtree(tmp, ignore_errors=True)
     for line in split_report(meta, data_cfg):
         logger.info(line)
-    phases = [f"{k} {v['seconds']:.1f} s" + (f" ({v['pairs_per_s']:,} pairs/s)" if "pairs_per_s" in v else "")
-              for k, v in meta["phases"].items()]  # fmt: skip
-    logger.info(f"phases ({workers} worker processes): {', '.join(phases)}")
+    phases = [
+        f"{k} {v['seconds']:.1f} s"
+        + (f" ({v['pairs_per_s']:,} pairs/s)" if "pairs_per_s" in v else "")
+        + (f" on {v['workers']} processes" if v.get("workers", 1) > 1 else "")
+        for k, v in meta["phases"].items()
+    ]
+    logger.info(f"phases: {', '.join(phases)}")
     logger.info(f"cache: {folder} (prepared in {time.time() - start:.1f} s)")
     return PreparedData(folder, meta)
 

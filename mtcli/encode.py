@@ -84,6 +84,11 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def workers_for(rows: int, workers: int) -> int:
+    """The worker processes a split of `rows` pairs gets (1: encoded in this process)."""
+    return 1 if rows < MIN_PARALLEL else max(workers, 1)
+
+
 def encoded_chunks(source, job: Job, workers: int, corpus_ids=None) -> Iterator[EncodedChunk]:
     """The split's chunks, encoded, in order. `corpus_ids(start, n)`: which of data.train_corpora each pair of a
     chunk comes from (tags), or None."""
@@ -91,7 +96,7 @@ def encoded_chunks(source, job: Job, workers: int, corpus_ids=None) -> Iterator[
         (start, s, t, corpus_ids(start, len(s)) if corpus_ids else None)
         for start, (s, t) in zip(range(0, source.num_rows, CHUNK), source.batches(CHUNK))
     )
-    if workers <= 1 or source.num_rows < MIN_PARALLEL:
+    if workers_for(source.num_rows, workers) == 1:
         _start(job, available_cores())
         yield from map(_encode, tasks)
         return
