@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 from functools import cache
-from itertools import groupby
 
 import numpy as np
 import regex
@@ -82,17 +81,6 @@ def script_pattern(lang: str) -> regex.Pattern | None:
     return regex.compile(r"(?=\p{L})[" + "".join(rf"\p{{scx={s}}}" for s in scripts) + "]")
 
 
-def other_script_share(text: str, inside: regex.Pattern) -> float:
-    """The share of the letters of `text` outside the scripts `inside` matches (digits and punctuation left out)."""
-    letters = len(LETTER.findall(text))
-    return (letters - len(inside.findall(text))) / letters if letters else 0.0
-
-
-def longest_run(ids: list[int]) -> int:
-    """The most times one piece follows itself in `ids`."""
-    return max((sum(1 for _ in run) for _, run in groupby(ids)), default=0)
-
-
 class LanguageId:
     """py3langid on both sides: a side is in another language when py3langid's best guess is another language
     with at least `min_prob` (normalised) probability; shorter, less certain guesses keep the pair."""
@@ -134,7 +122,7 @@ def pair_key(src: str, tgt: str) -> int:
 @cache
 def letter_classes(lang: str) -> np.ndarray | None:
     """A table over all code points for `lang`'s script check: 0 not a letter, 1 a letter of its scripts, 2 another
-    letter (what other_script_share's two regexes decide, one character at a time). Built once per process (about
+    letter (what LETTER and script_pattern decide, one character at a time). Built once per process (about
     half a second), it makes the check a table lookup over a whole chunk instead of two regex scans per line."""
     inside = script_pattern(lang)
     if inside is None:
@@ -164,7 +152,8 @@ def per_text_sums(flags: np.ndarray, bounds: np.ndarray) -> np.ndarray:
 
 
 def other_script_shares(texts: list[str], table: np.ndarray) -> np.ndarray:
-    """other_script_share of each text, by table lookup (letter_classes)."""
+    """The share of each text's letters outside its language's scripts (digits and punctuation left out), by table
+    lookup (letter_classes)."""
     points, bounds = code_points(texts)
     classes = table[points]
     letters = per_text_sums(classes > 0, bounds)
@@ -173,8 +162,8 @@ def other_script_shares(texts: list[str], table: np.ndarray) -> np.ndarray:
 
 
 def longest_runs(flat: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """longest_run of each sequence of a chunk, its ids concatenated in `flat` (sequence i is flat[bounds[i]:
-    bounds[i + 1]])."""
+    """The most times one id follows itself in each sequence of a chunk, its ids concatenated in `flat` (sequence i
+    is flat[bounds[i]:bounds[i + 1]])."""
     n = len(bounds) - 1
     best = np.zeros(n, dtype=np.int64)
     if len(flat) == 0:

@@ -462,15 +462,8 @@ def export(
 
 
 def parity_options(probe, probe_ref, probe_lines: int, no_check: bool):
-    from mtcli.parity import ParityOptions
+    from mtcli.parity import ParityOptions  # it checks them
 
-    if probe_lines < 0:
-        raise MtcliError(f"--probe-lines {probe_lines}: must be 0 or more")
-    if probe_ref is not None and probe is None:
-        raise MtcliError("--probe-ref needs --probe (the source lines it is the reference of)")
-    for option, path in (("--probe", probe), ("--probe-ref", probe_ref)):
-        if path is not None and not path.is_file():
-            raise MtcliError(f"{option} {path}: no such file")
     return ParityOptions(probe, probe_ref, probe_lines, not no_check)
 
 

@@ -31,7 +31,7 @@ from mtcli.tokenizer import Tokenizer
 
 PROBE_LINES = 500  # lines of the valid split in a probe: enough to see a 1% difference, seconds to translate
 REPEAT_TIMES = 4  # an output "repeats" when some 1-4 subword n-gram occurs this many times in a row
-FLOAT32 = ("none", "float32", "hf")  # engine precisions held to line identity; the rest to equal quality
+FLOAT32 = "float32"  # the engine precision held to line identity; the others to equal quality
 
 
 @dataclass
@@ -79,8 +79,6 @@ class Row:
 def probe_set(config, tokenizer: Tokenizer, probe: Path | None, probe_ref: Path | None, limit: int) -> Probe:
     """--probe FILE (and --probe-ref FILE), else the run's valid split (its first `limit` lines), then the stress
     lines. A run whose data is not here (or an imported model) is probed with the stress lines alone, said so."""
-    if probe_ref is not None and probe is None:
-        raise MtcliError("--probe-ref needs --probe (the source lines it is the reference of)")
     references: list[str] = []
     if probe is not None:
         sources = read_lines(probe)[:limit]
@@ -137,8 +135,8 @@ def stress_lines(tokenizer: Tokenizer, max_positions: int, prefix: str = "") -> 
 
 
 def engine_settings(decode: DecodeConfig, target: str, max_positions: int) -> tuple[EngineSettings, list[str]]:
-    """The search an export to `target` (ctranslate2, hf, argos) runs for a run's decode settings, and what it
-    cannot express (one line each)."""
+    """The search an export to `target` (ctranslate2, whose Argos package runs it too, or hf) runs for a run's
+    decode settings, and what it cannot express (one line each)."""
     notes = []
     beam = decode.beam if decode.beam > 1 else 4  # a greedy run is still checked at a beam
     max_len = max_positions - 1
@@ -152,7 +150,7 @@ def engine_settings(decode: DecodeConfig, target: str, max_positions: int) -> tu
             f"{decode.lenpen:g} (set decode.length_norm: power for a run that beams as its exports)"
         )
     early_stopping = decode.early_stopping
-    if target in ("ctranslate2", "argos") and not early_stopping and decode.lenpen > 0:
+    if target == "ctranslate2" and not early_stopping and decode.lenpen > 0:
         notes.append(
             "decode.early_stopping false: CTranslate2 ends a sentence's search at `beam` finished hypotheses "
             "(set decode.early_stopping: true for a run that beams as its exports)"
@@ -319,7 +317,7 @@ def repeats(ids: list[int], times: int = REPEAT_TIMES) -> bool:
 
 
 def thresholds(precision: str) -> dict:
-    if precision in FLOAT32:
+    if precision == FLOAT32:
         return {"min_identical_rate": 0.99, "max_bleu_delta": 0.2}
     return {"max_bleu_delta": 1.0, "extra_empty_or_repeating": "max(2, 1% of lines) more than mtcli's"}
 
@@ -336,7 +334,7 @@ def failures(rows: list[Row], precision: str) -> list[str]:
     for r in (r for r in rows if r.checked):
         if r.bleu is not None and abs(r.bleu[1] - r.bleu[0]) > limits["max_bleu_delta"]:
             found.append(f"{r.mode}: reference BLEU {r.bleu[0]:.2f} -> {r.bleu[1]:.2f}")
-        if precision in FLOAT32:
+        if precision == FLOAT32:
             if r.identical_rate < limits["min_identical_rate"]:
                 found.append(f"{r.mode}: {r.identical}/{r.lines} lines identical ({r.identical_rate:.1%} < 99%)")
         else:
@@ -390,6 +388,15 @@ class ParityOptions:
     probe_ref: Path | None = None
     lines: int = PROBE_LINES
     check: bool = True
+
+    def __post_init__(self):  # before any export work
+        if self.lines < 0:
+            raise MtcliError(f"--probe-lines {self.lines}: must be 0 or more")
+        if self.probe_ref is not None and self.probe is None:
+            raise MtcliError("--probe-ref needs --probe (the source lines it is the reference of)")
+        for option, path in (("--probe", self.probe), ("--probe-ref", self.probe_ref)):
+            if path is not None and not Path(path).is_file():
+                raise MtcliError(f"{option} {path}: no such file")
 
 
 def run_parity(translator, engine, target: str, precision: str, folder: Path, name: str, options: ParityOptions):

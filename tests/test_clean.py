@@ -11,7 +11,7 @@ import yaml
 from conftest import losses
 
 from mtcli import checkpoint as ckpt
-from mtcli.clean import ChunkFilter, LanguageId, longest_run, other_script_share, script_pattern
+from mtcli.clean import ChunkFilter, LanguageId, flatten, letter_classes, longest_runs, other_script_shares
 from mtcli.config_loader import load_config
 from mtcli.data import prepare
 from mtcli.errors import MtcliError
@@ -102,12 +102,11 @@ def test_the_report_counts_exactly_the_defects_of_each_kind(tmp_path, log):
 
 
 def test_script_shares_runs_and_languages_without_a_script(tmp_path):
-    zh = script_pattern("zh-CN")
-    assert other_script_share("Tom知道。", zh) == pytest.approx(3 / 5)  # punctuation is no letter
-    assert other_script_share("1984", zh) == 0
-    assert other_script_share("ラーメンを食べた", script_pattern("ja")) == 0  # ー is Hiragana and Katakana's
-    assert other_script_share("Привет, мир", script_pattern("sr")) == 0 and script_pattern("xx") is None
-    assert longest_run([5, 5, 7, 7, 7, 5]) == 3 and longest_run([]) == 0
+    zh = letter_classes("zh-CN")
+    assert other_script_shares(["Tom知道。", "1984"], zh).tolist() == pytest.approx([3 / 5, 0])  # 。 is no letter
+    assert other_script_shares(["ラーメンを食べた"], letter_classes("ja"))[0] == 0  # ー is Hiragana and Katakana's
+    assert other_script_shares(["Привет, мир"], letter_classes("sr"))[0] == 0 and letter_classes("xx") is None
+    assert longest_runs(*flatten([[5, 5, 7, 7, 7, 5], []])).tolist() == [3, 0]
     notes = ChunkFilter(make_config(tmp_path, {"path": "corpus", "src_lang": "xx"}).data).notes
     assert notes == ["note: data.clean.max_other_script: no script known for `xx`, so that side is not checked"]
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +22,12 @@ import yaml
 import mtcli.encode
 from mtcli.clean import (
     CODES,
+    LETTER,
     REASONS,
     ChunkFilter,
     Deduplicator,
     KeySet,
     letter_classes,
-    longest_run,
-    other_script_share,
     pair_key,
     script_pattern,
 )
@@ -117,6 +117,15 @@ def test_the_cache_is_byte_identical_with_one_and_two_workers(tmp_path, monkeypa
     counts = one.meta["splits"]["train"]
     assert all(counts[r] > 0 for r in ("empty", "too_long", "ratio", "duplicate", "copy", "repeat", "script"))
     assert not list(one.folder.glob("*.tmp")) and not (one.folder / "arrow").exists()  # no work files left
+
+
+def longest_run(ids: list[int]) -> int:
+    return max((sum(1 for _ in run) for _, run in groupby(ids)), default=0)
+
+
+def other_script_share(text: str, inside) -> float:
+    letters = len(LETTER.findall(text))
+    return (letters - len(inside.findall(text))) / letters if letters else 0.0
 
 
 def reference_reasons(cfg, pairs, src_ids, tgt_ids) -> list[str | None]:
