@@ -459,8 +459,10 @@ def print_table(r: dict) -> None:
         ratios = ", ".join(f"mtcli {p} {over[f'{p}_over_{peer}']:.2f}x" for p in DTYPES if f"{p}_over_{peer}" in over)
         rows.append((f"peer {peer}: train target tokens/s", f"{figures['train_tgt_tok_per_s']:,.0f} ({ratios})"))
     if "peers_decode_same_model" in r:
-        same = r["peers_decode_same_model"]["mtcli_over_ctranslate2"]
-        rows.append(("decode, same model: mtcli / CTranslate2", ", ".join(f"{k} {v:.2f}x" for k, v in same.items())))
+        same = r["peers_decode_same_model"]
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in same["mtcli_over_ctranslate2"].items())
+        backends = ", ".join(f"{k} {v}" for k, v in same.get("ctranslate2_best_backend", {}).items())
+        rows.append(("decode, same model: mtcli / CTranslate2 at its best", f"{ratios} ({backends})"))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"  {key:<{width}}  {value}")

@@ -53,7 +53,7 @@ def offline(checkpoint: Path, sentences: list[str], precision: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         walls, outputs = [], []
         for lines in (sentences[:1], sentences):
-            source, out = Path(tmp) / "src.txt", Path(tmp) / "out.txt"
+            source, out = Path(tmp) / f"src{len(lines)}.txt", Path(tmp) / f"out{len(lines)}.txt"
             source.write_text("\n".join(lines) + "\n", encoding="utf-8")
             command = [*MTCLI, "translate", "--checkpoint", str(checkpoint), "--input", str(source)]
             start = time.perf_counter()
@@ -167,22 +167,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--run", type=Path, help="run directory (default: the benchmark's decoding model)")
     parser.add_argument("--one", type=int, default=200, help="sentences sent by the single client")
+    parser.add_argument("--precision", help="fp32, bf16, int8 (default: the model's decode.precision, auto resolved)")
     args = parser.parse_args()
     if not TEST_SOURCES.is_file():
         sys.exit(f"bench-serve: {TEST_SOURCES} not found (the benchmark sends the shared Multi30k test sentences)")
     sentences = TEST_SOURCES.read_text(encoding="utf-8").splitlines()
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench import cpu_lock, decode_model
+
     from mtcli.checkpoint import read_config, resolve_checkpoint
     from mtcli.inference import translation_precision
 
-    if args.run:
-        checkpoint = resolve_checkpoint(args.run)
-    else:
-        from bench import decode_model
-
-        checkpoint = decode_model("fp32")
+    checkpoint = resolve_checkpoint(args.run) if args.run else decode_model("fp32")
     cfg = read_config(checkpoint)
-    precision = translation_precision(cfg.decode.precision, cfg.model, torch.device("cpu"))
+    precision, _ = translation_precision(args.precision or cfg.decode.precision, torch.device("cpu"))
     results = {
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
@@ -193,20 +191,22 @@ def main() -> None:
         "beam": cfg.decode.beam,
     }
     print(f"bench-serve: {checkpoint}, precision {precision}, beam {cfg.decode.beam}, {len(sentences)} sentences")
-    first = offline(checkpoint, sentences, precision)
-    server = ServerProcess(checkpoint, precision)
-    try:
-        target = cfg.data.tgt_lang
-        clients_round(server.port, sentences[:16], 4, target)  # warm-up
-        results["served"] = [
-            clients_round(server.port, sentences[: args.one] if n == 1 else sentences, n, target) for n in (1, 8, 64)
-        ]
-    finally:
-        server.stop()
-    runs = [first, offline(checkpoint, sentences, precision)]
-    results["offline"] = max(runs, key=lambda run: run["sent_per_s"])
-    results["offline_sent_per_s_runs"] = [run["sent_per_s"] for run in runs]
-    results["model_s_per_sentence"] = model_time(checkpoint, sentences[: args.one], precision)
+    with cpu_lock():  # no peer benchmark runs meanwhile, and the reverse
+        first = offline(checkpoint, sentences, precision)
+        server = ServerProcess(checkpoint, precision)
+        try:
+            target = cfg.data.tgt_lang
+            clients_round(server.port, sentences[:16], 4, target)  # warm-up
+            results["served"] = [
+                clients_round(server.port, sentences[: args.one] if n == 1 else sentences, n, target)
+                for n in (1, 8, 64)
+            ]
+        finally:
+            server.stop()
+        runs = [first, offline(checkpoint, sentences, precision)]
+        results["offline"] = max(runs, key=lambda run: run["sent_per_s"])
+        results["offline_sent_per_s_runs"] = [run["sent_per_s"] for run in runs]
+        results["model_s_per_sentence"] = model_time(checkpoint, sentences[: args.one], precision)
     report(results)
 
 
@@ -234,7 +234,7 @@ def report(r: dict) -> None:
         )
     one, many = r["served"][0], r["served"][-1]
     print(
-        f"goals: 64 clients at {many['of_offline']:.0%} of offline (goal >= 80%); 1 client p50 "
+        f"goals: 64 clients at {many['of_offline']:.0%} of offline (goal >= 90%); 1 client p50 "
         f"{one['p50_ms'] / model_ms:.2f}x the model's own time (goal <= 2x)"
     )
     (ROOT / "benchmarks" / "serve_results.json").write_text(json.dumps(r, indent=1) + "\n")
