@@ -38,6 +38,9 @@ class FakeTranslator:
         self.calls: list[list[str]] = []
         self.hold = hold
 
+    def stream(self, decode):
+        return None  # whole batches only: the worker's other path
+
     def translate_nbest(self, sentences, decode):
         self.calls.append(list(sentences))
         if self.hold is not None and len(self.calls) == 1:
@@ -192,6 +195,135 @@ def test_a_sentence_longer_than_the_budget_still_goes_alone():
 
     with_worker(translator, scenario)
     assert translator.calls == [["long"], ["short"]]
+
+
+class FakeStream:
+    """A continuous batch that "translates" a sentence by reversing it, one character per step; a step over a
+    sentence holding STEPFAIL raises once it is that sentence's turn to end. `hold`, when set, keeps the first step
+    waiting until it is set."""
+
+    def __init__(self, decode, hold: threading.Event | None = None):
+        self.decode, self.live, self.sizes, self.hold = decode, [], [], hold  # live: [tag, text, steps left]
+
+    def __len__(self):
+        return len(self.live)
+
+    @property
+    def tags(self):
+        return [tag for tag, _, _ in self.live]
+
+    @property
+    def source_tokens(self):
+        return 3 * len(self.live)  # as the tests submit: 3 subwords a sentence
+
+    def step(self):
+        if self.hold is not None and not self.sizes:
+            assert self.hold.wait(10)
+        self.sizes.append(len(self.live))
+        for entry in self.live:
+            entry[2] -= 1
+        if any(left <= 0 and "STEPFAIL" in text for _, text, left in self.live):
+            raise RuntimeError("a step the model cannot take")
+        ended = [(tag, text) for tag, text, left in self.live if left <= 0]
+        self.live = [entry for entry in self.live if entry[2] > 0]
+        return ended
+
+
+class FakeStreamingTranslator(FakeTranslator):
+    """Continuous batches of FakeStream; joining with a POISON sentence raises (as the encoder failing would)."""
+
+    def __init__(self, hold: threading.Event | None = None):
+        super().__init__()
+        self.streams, self.joins, self.stream_hold = [], [], hold
+
+    def stream(self, decode):
+        self.streams.append(FakeStream(decode, self.stream_hold))
+        return None if decode.sampling else self.streams[-1]
+
+    def join(self, stream, lines, tags):
+        self.joins.append(list(lines))
+        if any("POISON" in line for line in lines):
+            raise RuntimeError("a sentence the model cannot take")
+        stream.live += [[tag, line, len(line)] for tag, line in zip(tags, lines)]
+        return []
+
+    def texts(self, ended):
+        return [(tag, [Translation(text[::-1], -1.0, -1.0, [])]) for tag, text in ended]
+
+    def translate_nbest(self, sentences, decode):
+        if any("STEPFAIL" in s for s in sentences):  # what breaks a step breaks a whole batch too
+            self.calls.append(list(sentences))
+            raise RuntimeError("a sentence the model cannot take")
+        return super().translate_nbest(sentences, decode)
+
+
+def test_sentences_join_the_running_batch_and_are_answered_when_their_own_search_ends():
+    hold = threading.Event()
+    translator = FakeStreamingTranslator(hold)
+    decode = DecodeConfig(batch_tokens=12)  # room for 4 sentences of 3 subwords
+    finished: list[str] = []
+
+    async def scenario(worker: Worker, loop):
+        long = worker.submit(["a long sentence, forty characters long.."], [3], decode, loop)
+        while not any(len(s) for s in translator.streams):  # it has joined; its first step waits for `hold`
+            await asyncio.sleep(0.001)
+        short = [worker.submit([f"short {i}", f"and {i}"], [3, 3], decode, loop) for i in range(3)]
+        hold.set()
+        for job, name in [(long, "long"), *((job, f"short {i}") for i, job in enumerate(short))]:
+            job.future.add_done_callback(lambda _, name=name: finished.append(name))
+        assert [h[0].text for h in await long.future] == ["..gnol sretcarahc ytrof ,ecnetnes gnol a"]
+        for i, job in enumerate(short):
+            assert [h[0].text for h in await job.future] == [f"{i} trohs", f"{i} dna"]
+        assert_queue_empty(worker)
+
+    with_worker(translator, scenario)
+    assert finished.index("short 0") < finished.index("long")  # answered without waiting for the longest
+    sizes = [n for stream in translator.streams for n in stream.sizes]
+    assert max(sizes) == 4  # the budget: the long one and three short ones at a time, joining as others leave
+    assert translator.joins[0] == ["a long sentence, forty characters long.."]
+
+
+def test_a_sentence_that_fails_to_join_or_breaks_a_step_fails_only_its_own_request():
+    hold = threading.Event()
+    translator = FakeStreamingTranslator(hold)
+    decode = DecodeConfig()
+
+    async def scenario(worker: Worker, loop):
+        first = worker.submit(["warm up, several steps long"], [3], decode, loop)
+        while not any(len(s) for s in translator.streams):
+            await asyncio.sleep(0.001)
+        good = worker.submit(["A man.", "A dog."], [3, 3], decode, loop)
+        poisoned = worker.submit(["Fine.", "POISON here."], [3, 3], decode, loop)
+        breaking = worker.submit(["STEPFAIL"], [3], decode, loop)
+        other = worker.submit(["A cat."], [3], decode, loop)
+        hold.set()
+        assert [h[0].text for h in await first.future] == ["gnol spets lareves ,pu mraw"]
+        assert [h[0].text for h in await good.future] == [".nam A", ".god A"]
+        assert [h[0].text for h in await other.future] == [".tac A"]
+        for job in (poisoned, breaking):
+            with pytest.raises(TranslationFailed):
+                await job.future
+        assert_queue_empty(worker)
+
+    with_worker(translator, scenario)
+    assert ["A man.", "A dog.", "Fine.", "POISON here.", "STEPFAIL", "A cat."] in translator.joins  # joined together
+    assert ["Fine.", "POISON here."] in translator.joins  # then each request alone
+    # the step that broke lost its batch: its requests were translated again, each alone (whole batches)
+    assert translator.calls == [["warm up, several steps long"], ["STEPFAIL"]]
+
+
+def test_sampling_requests_translate_as_whole_batches_beside_continuous_ones():
+    translator = FakeStreamingTranslator()
+
+    async def scenario(worker: Worker, loop):
+        beam = worker.submit(["beam one"], [3], DecodeConfig(), loop)
+        sampled = worker.submit(["sampled"], [3], DecodeConfig(sampling=True), loop)
+        assert [h[0].text for h in await beam.future] == ["eno maeb"]
+        assert [h[0].text for h in await sampled.future] == ["delpmas"]
+        assert_queue_empty(worker)
+
+    with_worker(translator, scenario)
+    assert translator.calls == [["sampled"]] and translator.joins == [["beam one"]]
 
 
 def test_a_second_stop_signal_drops_what_is_queued_and_the_count_returns_to_zero():
