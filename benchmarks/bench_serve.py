@@ -83,14 +83,13 @@ class ServerProcess:
 
 
 def batch_counts(port: int) -> tuple[int, int]:
-    """(live sentences summed over decoder steps, decoder steps) of the server's continuous batches so far, from
-    /metrics."""
+    """(sentences, batches) the server's model worker has translated so far, from /metrics."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     connection.request("GET", "/metrics")
     text = connection.getresponse().read().decode()
     connection.close()
-    live = int(re.search(r"^mtcli_step_sentences_total (\d+)$", text, re.M)[1])
-    return live, int(re.search(r"^mtcli_decoder_steps_total (\d+)$", text, re.M)[1])
+    sentences = int(re.search(r"^mtcli_sentences_total (\d+)$", text, re.M)[1])
+    return sentences, int(re.search(r"^mtcli_batches_total (\d+)$", text, re.M)[1])
 
 
 def clients_round(port: int, sentences: list[str], clients: int, target: str) -> dict:
@@ -141,7 +140,7 @@ def clients_round(port: int, sentences: list[str], clients: int, target: str) ->
         "p50_ms": q[49] * 1000,
         "p95_ms": q[94] * 1000,
         "p99_ms": q[98] * 1000,
-        "sentences_per_step": done[0] / max(done[1], 1),  # the continuous batch's mean size
+        "sentences_per_batch": done[0] / max(done[1], 1),
         "outputs": outputs,
     }
 
@@ -226,11 +225,11 @@ def report(r: dict) -> None:
         f"{model_ms:.1f} ms"
     )
     head = f"{'clients':>7} {'sentences/s':>11} {'of offline':>10} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8}"
-    print(f"{head} {'batch':>6} {'differ':>6}")  # batch: sentences in the running batch, mean over steps
+    print(f"{head} {'batch':>6} {'differ':>6}")
     for row in r["served"]:
         print(
             f"{row['clients']:>7} {row['sent_per_s']:>11.1f} {row['of_offline']:>10.0%} {row['p50_ms']:>8.1f} "
-            f"{row['p95_ms']:>8.1f} {row['p99_ms']:>8.1f} {row['sentences_per_step']:>6.1f} "
+            f"{row['p95_ms']:>8.1f} {row['p99_ms']:>8.1f} {row['sentences_per_batch']:>6.1f} "
             f"{row['differ_from_offline']:>6}"
         )
     one, many = r["served"][0], r["served"][-1]

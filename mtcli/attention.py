@@ -117,14 +117,15 @@ class CrossAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, memory: torch.Tensor, mask: torch.Tensor | None, cache: LayerCache | None = None
     ) -> torch.Tensor:
-        """x: (N, T, d) queries, N = B * beams. memory: (B, S, d) encoder output (unused once the cache holds its
-        keys and values). mask: (B, 1, 1, S)."""
+        """x: (N, T, d) queries, N = B * beams. memory: (B, S, d) encoder output. mask: (B, 1, 1, S)."""
         if cache is not None and cache.cross_k is not None:
             k, v = cache.cross_k, cache.cross_v
-        elif cache is not None:
-            k, v = cache.cross_k, cache.cross_v = self.memory_keys(memory, cache.k.dtype)
         else:
             k, v = _split_heads(linear(self.kv, memory), 2, self.heads)  # each (B, H, S, D)
+            if cache is not None:
+                # contiguous: as views into the fused projection, every step's products would copy them again
+                k, v = k.to(cache.k.dtype).contiguous(), v.to(cache.k.dtype).contiguous()
+                cache.cross_k, cache.cross_v = k, v
         (q,) = _split_heads(linear(self.q, x), 1, self.heads)  # (N, H, T, D)
         N, H, T, D = q.shape
         B = k.shape[0]
@@ -135,9 +136,3 @@ class CrossAttention(nn.Module):
         if beams > 1:
             y = y.view(B, H, beams, T, D).transpose(1, 2).reshape(N, H, T, D)
         return linear(self.out, _merge_heads(y))
-
-    def memory_keys(self, memory: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cached keys and values of `memory` (B, S, d): each (B, H, S, D) in `dtype`. Contiguous: as views into
-        the fused projection, every step's products would copy them again."""
-        k, v = _split_heads(linear(self.kv, memory), 2, self.heads)
-        return k.to(dtype).contiguous(), v.to(dtype).contiguous()

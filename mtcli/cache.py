@@ -23,29 +23,22 @@ class LayerCache:
         self.cross_v: torch.Tensor | None = None
 
 
-def cache_dtype(model, device, dtype=None) -> torch.dtype:
-    """`dtype` (default the model's), except on CPU, where it is fp32: for a bf16 model, attention over an fp32 cache
-    decoded faster than over a bf16 one at decoding shapes (a few queries per row against a few dozen keys;
-    docs/benchmarks.md, "Figures behind the code"); an fp32 cache for 64 sentences x 5 beams is a few MB."""
-    if torch.device(device).type == "cpu":
-        return torch.float32
-    return dtype or next(model.parameters()).dtype
-
-
 class KVCache:
     def __init__(self, layers: int, rows: int, heads: int, head_dim: int, max_len: int, device, dtype):
         self.max_len = max_len
         self.length = 0  # target positions written so far
         self.layers = [LayerCache(rows, heads, max_len, head_dim, device, dtype) for _ in range(layers)]
-        # Continuous batching (mtcli.stream) only: the column where each row's output begins (its BOS). Its positions
-        # count from there and the columns before it are masked. None: every row begins at column 0.
-        self.first: torch.Tensor | None = None
 
     @classmethod
     def for_model(cls, model, rows: int, max_len: int, device, dtype=None) -> KVCache:
-        """A cache for `rows` hypotheses of up to `max_len` tokens, in cache_dtype."""
+        """A cache in `dtype` (default the model's), except on CPU, where it is fp32: for a bf16 model, attention over
+        an fp32 cache decoded faster than over a bf16 one at decoding shapes (a few queries per row against a few
+        dozen keys; docs/benchmarks.md, "Figures behind the code"); an fp32 cache for 64 sentences x 5 beams is a
+        few MB."""
         head_dim = model.cfg.d_model // model.cfg.heads
-        dtype = cache_dtype(model, device, dtype)
+        dtype = dtype or next(model.parameters()).dtype
+        if torch.device(device).type == "cpu":
+            dtype = torch.float32
         return cls(len(model.decoder), rows, model.cfg.heads, head_dim, max_len, device, dtype)
 
     @torch.no_grad()  # the cache is never differentiated through (search runs in inference mode)

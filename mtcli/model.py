@@ -86,13 +86,12 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x, memory, mask, cache=None, start: int = 0, self_mask=None) -> torch.Tensor:
-        """self_mask: (N, 1, 1, keys) for a continuous batch's one-token steps (see KVCache.first); else None."""
+    def forward(self, x, memory, mask, cache=None, start: int = 0) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.dropout(self.self_attn(self.norm1(x), self_mask, causal=True, cache=cache, start=start))
+            x = x + self.dropout(self.self_attn(self.norm1(x), causal=True, cache=cache, start=start))
             x = x + self.dropout(self.cross_attn(self.norm2(x), memory, mask, cache=cache))
             return x + self.dropout(self.ffn(self.norm3(x)))
-        x = self.norm1(x + self.dropout(self.self_attn(x, self_mask, causal=True, cache=cache, start=start)))
+        x = self.norm1(x + self.dropout(self.self_attn(x, causal=True, cache=cache, start=start)))
         x = self.norm2(x + self.dropout(self.cross_attn(x, memory, mask, cache=cache)))
         return self.norm3(x + self.dropout(self.ffn(x)))
 
@@ -161,18 +160,15 @@ class Transformer(nn.Module):
             self.tgt_embed.weight[self.specials.pad].zero_()
 
     def _embed(
-        self, embedding: nn.Embedding, ids: torch.Tensor, start: int | torch.Tensor = 0, word_dropout: float = 0.0
+        self, embedding: nn.Embedding, ids: torch.Tensor, start: int = 0, word_dropout: float = 0.0
     ) -> torch.Tensor:
-        """start: the first position, or one per row (a continuous batch's rows, KVCache.first)."""
         T = ids.shape[1]
-        end = start + T if isinstance(start, int) else int(start.max()) + T
-        if end > self.cfg.max_positions:
-            raise ValueError(f"sequence of {end} tokens exceeds model.max_positions={self.cfg.max_positions}")
-        table = self.learned_positions.weight if self.cfg.positions == "learned" else self.sinusoids
-        if isinstance(start, int):
-            positions = table[start : start + T]
+        if start + T > self.cfg.max_positions:
+            raise ValueError(f"sequence of {start + T} tokens exceeds model.max_positions={self.cfg.max_positions}")
+        if self.cfg.positions == "learned":
+            positions = self.learned_positions.weight[start : start + T]
         else:
-            positions = table[start[:, None] + torch.arange(T, device=ids.device)]  # (N, T, d)
+            positions = self.sinusoids[start : start + T]
         tokens = embedding(ids)
         if word_dropout:
             # Whole tokens vanish (not rescaled: test inputs are never missing words); their positions stay.
@@ -208,15 +204,9 @@ class Transformer(nn.Module):
         cache, tgt holds the next position(s) only, written at cache.length, which then advances."""
         start = cache.length if cache is not None else 0
         mask = self.attention_mask(src_pad_mask)
-        first, self_mask = cache.first if cache is not None else None, None
-        if first is None:
-            x = self._embed(self.tgt_embed, tgt, start)
-        else:  # rows of a continuous batch: each counts positions from its own first column, and sees no earlier one
-            x = self._embed(self.tgt_embed, tgt, start - first)
-            columns = torch.arange(start + tgt.shape[1], device=tgt.device)
-            self_mask = (columns >= first[:, None])[:, None, None, :]  # (N, 1, 1, keys)
+        x = self._embed(self.tgt_embed, tgt, start)
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, mask, cache.layers[i] if cache is not None else None, start, self_mask)
+            x = layer(x, memory, mask, cache.layers[i] if cache is not None else None, start)
         if cache is not None:
             cache.length += tgt.shape[1]
         return self.decoder_norm(x)

@@ -216,20 +216,16 @@ def _sentences_done(
     """Beam phase (6): a sentence is done with `wanted` finished hypotheses, the worst of which its best live one
     cannot beat at the present length (its score can only fall) or at once with early_stopping, or with no live
     candidate left."""
-    return [
-        sentence_done(finished[sentence], live, wanted, penalty, early_stopping)
-        for sentence, live in zip(sentences.tolist(), best_live.tolist())
-    ]
-
-
-def sentence_done(hyps: list[Hypothesis], live: float, wanted: int, penalty: float, early_stopping: bool) -> bool:
-    """_sentences_done for one sentence: `hyps` its finished hypotheses (kept to the best `wanted`), `live` its best
-    live score (unnormalized)."""
-    if len(hyps) < wanted:
-        return live == NEG_INF  # e.g. at the length limit
-    hyps.sort(key=lambda h: -h.score)
-    del hyps[wanted:]
-    return early_stopping or live / penalty <= hyps[wanted - 1].score
+    is_done = []
+    for sentence, live in zip(sentences.tolist(), best_live.tolist()):
+        hyps = finished[sentence]
+        if len(hyps) >= wanted:
+            hyps.sort(key=lambda h: -h.score)
+            del hyps[wanted:]
+            is_done.append(early_stopping or live / penalty <= hyps[wanted - 1].score)
+        else:
+            is_done.append(live == NEG_INF)  # e.g. at the length limit
+    return is_done
 
 
 def row_topk(scores: torch.Tensor, c: int, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,8 +26,7 @@ from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
 from mtcli.inference import inference_model, translation_precision
 from mtcli.log import logger, progress_bar
-from mtcli.search import Hypothesis, beam_search, greedy_search, max_output_lengths, sample
-from mtcli.stream import Stream
+from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
 from mtcli.tokenizer import CJK_LANGS, Tokenizer
 
 DECODE_OPTIONS = {f.name for f in fields(DecodeConfig)}
@@ -170,30 +169,6 @@ class Translator:
             bar.update(len(batch))
         bar.close()
         return results
-
-    # The server's continuous batches (mtcli.stream): text in, text out
-
-    def stream(self, decode: DecodeConfig) -> Stream | None:
-        """A continuous batch translating with `decode` (already checked: decode_config), or None where it cannot:
-        sampling (one random stream per session, drawn in batch order), an ensemble."""
-        if decode.sampling or isinstance(self.model, Ensemble):
-            return None
-        return Stream(self.model, decode, self.config.model.max_positions)
-
-    def join(self, stream: Stream, lines: list[str], tags: list) -> list[tuple[object, list[Translation]]]:
-        """`lines` join `stream`, cut and encoded as translate_lines does (no warning: the server cuts long sentences
-        itself). Returns (tag, translations) for the empty lines, which need no search."""
-        lines = [line[: self.max_chars].strip() for line in lines]
-        ids = [x[: self.max_src_tokens] for x in self.source_ids(lines, stream.decode)]
-        todo = [i for i, line in enumerate(lines) if line]
-        if todo:
-            stream.add([ids[i] for i in todo], [tags[i] for i in todo])
-        return [(tag, [Translation("", 0.0, 0.0, [])]) for tag, line in zip(tags, lines) if not line]
-
-    def texts(self, ended: list[tuple[object, list[Hypothesis]]]) -> list[tuple[object, list[Translation]]]:
-        """(tag, translations) for what Stream.step returned: the hypotheses detokenized, as _search does."""
-        texts = iter(self.tokenizer.decode_tgt([h.tokens for _, hyps in ended for h in hyps]))
-        return [(tag, [Translation(next(texts), h.score, h.log_prob, h.tokens) for h in hyps]) for tag, hyps in ended]
 
     def source_ids(self, lines: list[str], decode: DecodeConfig | None = None) -> list[list[int]]:
         """Source subword ids of each line, after the source prefix (decode.src_prefix, else data.src_prefix: the
