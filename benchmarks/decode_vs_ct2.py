@@ -128,7 +128,7 @@ def compare(cfg, rounds: int, one_process: bool = False) -> dict:
     """Every engine `rounds` times in alternating order, each pass in its own process unless `one_process`; prints the
     table and returns the figures."""
     checkpoint = decode_model("fp32")
-    export_ctranslate2(checkpoint, CACHE / "ct2-800")
+    export_ctranslate2(checkpoint, CACHE / "ct2-800", force=True)  # its own earlier export of this model
     sources, references = eval_texts(cfg, "test")
     names = engine_names(one_process)
     engines = {name: build_engine(name, checkpoint, sources) for name in names} if one_process else {}

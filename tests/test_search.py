@@ -1,6 +1,7 @@
 """Search properties: beam 1 equals greedy, beam never scores worse than greedy, batch independence, length limits,
 n-best order, no-repeat-ngram, sampling; on a mock model with known scores and on a random Transformer."""
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -11,6 +12,7 @@ from torch import nn
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
 from mtcli.ensemble import Ensemble
+from mtcli.inference import pack_linears
 from mtcli.model import Transformer
 from mtcli.search import beam_search, greedy_search, length_penalty, max_output_lengths, sample
 from mtcli.tokenizer import BOS, EOS, MTCLI_SPECIALS, PAD
@@ -244,7 +246,9 @@ def test_beam_is_never_worse_than_greedy_under_the_same_scoring(reverse_model):
 @pytest.mark.slow
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_a_sentence_result_does_not_depend_on_its_batch(search, reverse_model):
-    model = reverse_model
+    """What the README says of fp32 translation (and so of the server's batches): the same subwords alone and in a
+    batch, scores equal to float rounding; with the linear layers packed for oneDNN, as translation runs them."""
+    model = pack_linears(copy.deepcopy(reverse_model))
     lengths = [4, 11, 2, 7, 9]
     src, mask = random_sources(lengths, seed=5)
     max_lens = max_output_lengths(torch.tensor(lengths), 2.0, 5, 64)
@@ -252,12 +256,14 @@ def test_a_sentence_result_does_not_depend_on_its_batch(search, reverse_model):
     def run(rows):
         s = src[rows][:, : int((~mask[rows]).sum(1).max())]
         if search == "greedy":
-            return [h.tokens for h in greedy_search(model, s, s == PAD, max_lens[rows])]
-        return [hyps[0].tokens for hyps in beam_search(model, s, s == PAD, max_lens[rows], beam_size=4, lenpen=0.6)]
+            return [(h.tokens, h.score) for h in greedy_search(model, s, s == PAD, max_lens[rows])]
+        found = beam_search(model, s, s == PAD, max_lens[rows], beam_size=4, lenpen=0.6)
+        return [(hyps[0].tokens, hyps[0].score) for hyps in found]
 
     together = run(list(range(5)))
     alone = [run([i])[0] for i in range(5)]
-    assert together == alone
+    assert [tokens for tokens, _ in together] == [tokens for tokens, _ in alone]
+    assert [score for _, score in together] == pytest.approx([score for _, score in alone], abs=1e-4)
 
 
 def full_log_prob(members, src, mask, tokens: list[int]) -> float:
