@@ -3,8 +3,8 @@ with `mtcli export --format ctranslate2`, translating test_2016_flickr with the 
 batches of 64 sentences, one untimed warm-up batch, beam 5 and greedy) in alternating rounds, each engine in fp32
 and int8 (mtcli also in bf16 where the CPU has bf16 units), 2 threads. CTranslate2 runs with each of its CPU
 backends, Intel MKL (CT2_USE_MKL=1, its default on Intel CPUs) and oneDNN (CT2_USE_MKL=0), and mtcli is compared
-with the faster of the two for each precision and search (on an Intel Xeon with AMX, oneDNN's float32 was 2.7x MKL's
-greedy). CTranslate2 has no bf16 on CPUs: mtcli's bf16 is compared with its best float32.
+with the faster of the two for each precision and search (which is faster depends on the CPU: docs/benchmarks.md).
+CTranslate2 has no bf16 on CPUs: mtcli's bf16 is compared with its best float32.
 
 Each timed pass runs in a process of its own (`--engine NAME`), and CTranslate2's runs no torch operation before
 it is timed (it reads the checkpoint's tokenizer files only): torch and CTranslate2 each ship their own OpenMP
