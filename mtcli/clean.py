@@ -200,12 +200,11 @@ class ChunkFilter:
         c = self.clean
         self.langid = LanguageId(cfg.src_lang, cfg.tgt_lang, c.langid_min_prob) if c.langid else None
 
-    def verdicts(self, src: list[str], tgt: list[str], src_ids: list[list[int]], tgt_ids: list[list[int]]):
+    def verdicts(self, src: list[str], tgt: list[str], src_ids: tuple, tgt_ids: tuple):
         """(before, keys, after): uint8 reason codes (CODES; 0 none) before and after the duplicate check, uint64
-        pair keys (0 where duplicates are not checked)."""
+        pair keys (0 where duplicates are not checked). src_ids, tgt_ids: each side's ids as `flatten` gives them."""
         cfg, c, n = self.cfg, self.clean, len(src)
-        src_flat, src_bounds = flatten(src_ids)
-        tgt_flat, tgt_bounds = flatten(tgt_ids)
+        (src_flat, src_bounds), (tgt_flat, tgt_bounds) = src_ids, tgt_ids
         src_len, tgt_len = np.diff(src_bounds), np.diff(tgt_bounds)
         longer, shorter = np.maximum(src_len, tgt_len), np.minimum(src_len, tgt_len)
         before = np.zeros(n, dtype=np.uint8)

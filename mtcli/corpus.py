@@ -175,11 +175,7 @@ def _load_files(builder: str, path: Path, **kwargs):
     if _ARROW_CACHE:
         kwargs["cache_dir"] = str(_ARROW_CACHE[-1])
 
-    if path.stat().st_size == 0:
-        raise MtcliError(
-            f"{path}: the file is empty; a split needs at least one sentence (check data.path and data.splits)"
-        )
-    check_utf8(path)
+    check_text_file(path)
     # Critical only: the json builder logs its parse error ("Failed to load JSON from file ...") before raising, and
     # the one line the user gets is the MtcliError below.
     datasets.utils.logging.set_verbosity(datasets.utils.logging.CRITICAL)
@@ -265,13 +261,18 @@ class LineFiles:
         self.row = 0
 
 
-def count_lines(path: Path) -> int:
-    """The lines of a text file (a last line without "\n" counts), after checking it is UTF-8 and not empty."""
+def check_text_file(path: Path) -> int:
+    """A split's file must hold something and be UTF-8 (check_utf8 names the line); returns its "\n" count."""
     if path.stat().st_size == 0:
         raise MtcliError(
             f"{path}: the file is empty; a split needs at least one sentence (check data.path and data.splits)"
         )
-    newlines = check_utf8(path)
+    return check_utf8(path)
+
+
+def count_lines(path: Path) -> int:
+    """The lines of a text file (a last line without "\n" counts), after check_text_file."""
+    newlines = check_text_file(path)
     with open(path, "rb") as f:
         f.seek(-1, 2)
         return newlines + (f.read(1) != b"\n")

@@ -68,9 +68,10 @@ def _encode(task: tuple[int, list, list, np.ndarray | None]) -> EncodedChunk:
     src_ids, tgt_ids = tokenizer.encode_src(sources, job.cfg.src_prefix), tokenizer.encode_tgt(targets)
     if corpus is not None:  # data.train_corpora tags: first in the source of their own corpus's pairs
         src_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus.tolist(), src_ids)]
-    verdicts = pair_filter.verdicts(sources, targets, src_ids, tgt_ids) if pair_filter else (None, None, None)
     src, src_bounds = flatten(src_ids)
     tgt, tgt_bounds = flatten(tgt_ids)
+    flat = ((src, src_bounds), (tgt, tgt_bounds))
+    verdicts = pair_filter.verdicts(sources, targets, *flat) if pair_filter else (None, None, None)
     texts = None if job.is_train else (sources, targets)
     return EncodedChunk(
         start, src.astype(np.int32), tgt.astype(np.int32), np.diff(src_bounds), np.diff(tgt_bounds), *verdicts, texts

@@ -27,6 +27,7 @@ from mtcli.clean import (
     ChunkFilter,
     Deduplicator,
     KeySet,
+    flatten,
     letter_classes,
     pair_key,
     script_pattern,
@@ -171,7 +172,7 @@ def test_the_vectorized_filters_decide_as_the_per_pair_rules(tmp_path):
         for start in range(0, len(pairs), chunk):
             rows = slice(start, start + chunk)
             src, tgt = [p[0] for p in pairs[rows]], [p[1] for p in pairs[rows]]
-            codes = dedup.decide(*check.verdicts(src, tgt, src_ids[rows], tgt_ids[rows]))
+            codes = dedup.decide(*check.verdicts(src, tgt, flatten(src_ids[rows]), flatten(tgt_ids[rows])))
             found += [REASONS[c - 1] if c else None for c in codes.tolist()]
         assert found == expected, chunk
     assert {r for r in expected} >= {None, "empty", "ratio", "duplicate", "copy", "repeat", "script"}
