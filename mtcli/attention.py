@@ -8,6 +8,8 @@ No query row ever has all its keys masked: sources always end in EOS, and decode
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,17 +31,110 @@ def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         return None
     rows = x.reshape(-1, x.shape[-1]).to(torch.get_autocast_dtype("cpu"))
     n = rows.shape[0]
-    padded = -(-n // ROW_MULTIPLE) * ROW_MULTIPLE
-    return (F.pad(rows, (0, 0, 0, padded - n)) if padded != n else rows), n
+    return _PadRows.apply(rows, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), n
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`layer(x)`, on padded rows under CPU autocast (see padded_rows)."""
+# Padding and unpadding rows, splitting heads off padded rows and merging them back, each as one memory pass in
+# both directions. Autograd's own versions take two to four: F.pad fills its whole output and then copies, a
+# slice's backward fills a zero gradient and copies into it, unbind's backward stacks the head gradients and the
+# permute's backward copies them again (docs/benchmarks.md, "Figures behind the code").
+
+
+def _with_zero_tail(rows: torch.Tensor, padded: int) -> torch.Tensor:
+    out = rows.new_empty(padded, *rows.shape[1:])
+    out[: rows.shape[0]] = rows
+    out[rows.shape[0] :] = 0
+    return out
+
+
+class _PadRows(torch.autograd.Function):
+    """(n, d) rows -> (padded, d), zero rows appended."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, padded: int) -> torch.Tensor:
+        ctx.n = rows.shape[0]
+        return rows if padded == ctx.n else _with_zero_tail(rows, padded)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad[: ctx.n], None
+
+
+class _UnpadRows(torch.autograd.Function):
+    """(padded, d) rows -> their first n, a view; the gradient gets zero rows appended."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, n: int) -> torch.Tensor:
+        ctx.padded = rows.shape[0]
+        return rows[:n]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _with_zero_tail(grad, ctx.padded), None
+
+
+class _SplitHeads(torch.autograd.Function):
+    """Padded rows of a fused projection, (padded, parts * H * D) -> parts views of shape (B, H, T, D); the gradients
+    are written back into one padded row buffer."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, B: int, T: int, parts: int, heads: int):
+        ctx.shape, ctx.padded = (B, T, parts, heads, rows.shape[1] // (parts * heads)), rows.shape[0]
+        return rows[: B * T].view(ctx.shape).permute(2, 0, 3, 1, 4).unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        B, T = ctx.shape[:2]
+        grad = grads[0].new_empty(ctx.padded, math.prod(ctx.shape[2:]))
+        grad[B * T :] = 0
+        heads = grad[: B * T].view(ctx.shape).permute(2, 0, 3, 1, 4)
+        for i, g in enumerate(grads):
+            heads[i].copy_(g) if g is not None else heads[i].zero_()
+        return grad, None, None, None, None
+
+
+class _MergeHeads(torch.autograd.Function):
+    """(B, H, T, D) -> (padded, H * D) rows, zero rows appended; the gradient is a view."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, padded: int) -> torch.Tensor:
+        B, H, T, D = ctx.shape = y.shape
+        out = y.new_empty(padded, H * D)
+        out[B * T :] = 0
+        out[: B * T].view(B, T, H, D).copy_(y.transpose(1, 2))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        B, H, T, D = ctx.shape
+        return grad[: B * T].view(B, T, H, D).transpose(1, 2), None
+
+
+def unpad_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """The first n of padded rows (a view), for autograd with a one-pass backward."""
+    return _UnpadRows.apply(rows, n)
+
+
+def _padded_rows_of(rows: int) -> int:
+    return -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def project_heads(layer: nn.Linear, x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """A fused projection of x (B, T, d) split into `parts` tensors (B, H, T, D)."""
     padded = padded_rows(x) if type(layer) is nn.Linear else None
     if padded is None:
-        return layer(x)
-    rows, n = padded
-    return F.linear(rows, layer.weight, layer.bias)[:n].view(*x.shape[:-1], layer.out_features)
+        return _split_heads(layer(x), parts, heads)
+    rows, _ = padded
+    return _SplitHeads.apply(F.linear(rows, layer.weight, layer.bias), x.shape[0], x.shape[1], parts, heads)
+
+
+def output_projection(layer: nn.Linear, y: torch.Tensor) -> torch.Tensor:
+    """Heads y (B, H, T, D) merged and projected by `layer`: (B, T, d)."""
+    B, H, T, D = y.shape
+    if y.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or type(layer) is not nn.Linear:
+        return layer(_merge_heads(y))
+    merged = _MergeHeads.apply(y.to(torch.get_autocast_dtype("cpu")), _padded_rows_of(B * T))
+    return unpad_rows(F.linear(merged, layer.weight, layer.bias), B * T).view(B, T, layer.out_features)
 
 
 def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
@@ -92,7 +187,7 @@ class SelfAttention(nn.Module):
     ) -> torch.Tensor:
         """x: (B, T, d). mask: (B, 1, 1, T) key mask. causal: decoder self-attention. With a cache, this call's
         keys/values are written at positions start..start+T and the query attends to everything written so far."""
-        q, k, v = _split_heads(linear(self.qkv, x), 3, self.heads)  # each (B, H, T, D)
+        q, k, v = project_heads(self.qkv, x, 3, self.heads)  # each (B, H, T, D)
         T = q.shape[2]
         if cache is not None:
             cache.k[:, :, start : start + T] = k
@@ -103,7 +198,7 @@ class SelfAttention(nn.Module):
         if causal and T > 1 and start > 0:
             raise ValueError("a multi-token decoder call with a cache must start at position 0")
         y = _attend(q, k, v, mask, causal and T > 1, self.dropout if self.training else 0.0)
-        return linear(self.out, _merge_heads(y))
+        return output_projection(self.out, y)
 
 
 class CrossAttention(nn.Module):
@@ -121,12 +216,12 @@ class CrossAttention(nn.Module):
         if cache is not None and cache.cross_k is not None:
             k, v = cache.cross_k, cache.cross_v
         else:
-            k, v = _split_heads(linear(self.kv, memory), 2, self.heads)  # each (B, H, S, D)
+            k, v = project_heads(self.kv, memory, 2, self.heads)  # each (B, H, S, D)
             if cache is not None:
                 # contiguous: as views into the fused projection, every step's products would copy them again
                 k, v = k.to(cache.k.dtype).contiguous(), v.to(cache.k.dtype).contiguous()
                 cache.cross_k, cache.cross_v = k, v
-        (q,) = _split_heads(linear(self.q, x), 1, self.heads)  # (N, H, T, D)
+        (q,) = project_heads(self.q, x, 1, self.heads)  # (N, H, T, D)
         N, H, T, D = q.shape
         B = k.shape[0]
         beams = N // B
@@ -135,4 +230,4 @@ class CrossAttention(nn.Module):
         y = _attend(q, k, v, mask, False, self.dropout if self.training else 0.0)
         if beams > 1:
             y = y.view(B, H, beams, T, D).transpose(1, 2).reshape(N, H, T, D)
-        return linear(self.out, _merge_heads(y))
+        return output_projection(self.out, y)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtcli.attention import CrossAttention, SelfAttention, padded_rows
+from mtcli.attention import CrossAttention, SelfAttention, padded_rows, unpad_rows
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
 from mtcli.tokenizer import MTCLI_SPECIALS, Specials
@@ -22,7 +22,7 @@ from mtcli.tokenizer import MTCLI_SPECIALS, Specials
 class Dropout(nn.Module):
     """nn.Dropout, with a faster mask on CPU: torch's CPU Bernoulli sampler draws one random number per element,
     while 64-bit random integers cut into four 16-bit lanes need a quarter of the draws (rate resolution 1/65536).
-    GPUs keep F.dropout."""
+    `residual(x, y)` is x + dropout(y) in one pass (and one in the backward). GPUs keep F.dropout."""
 
     def __init__(self, p: float):
         super().__init__()
@@ -30,14 +30,42 @@ class Dropout(nn.Module):
         # int16 lanes are uniform on [-32768, 32767]: drop the lowest round(p * 65536) values
         self.threshold = round(p * 65536) - 32768
 
+    def _scaled_keep(self, x: torch.Tensor) -> torch.Tensor | None:
+        """1 / (1 - p) where an element is kept and 0 where dropped, in x's dtype; None where F.dropout is used."""
+        if x.device.type != "cpu" or x.numel() % 4:
+            return None
+        lanes = torch.randint(-(2**63), 2**63 - 1, (x.numel() // 4,), dtype=torch.int64).view(torch.int16)
+        return (lanes.view(x.shape) >= self.threshold).to(x.dtype).mul_(1.0 / (1.0 - self.p))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        if x.device.type != "cpu" or x.numel() % 4:
-            return F.dropout(x, self.p, training=True)
-        lanes = torch.randint(-(2**63), 2**63 - 1, (x.numel() // 4,), dtype=torch.int64).view(torch.int16)
-        keep = (lanes.view(x.shape) >= self.threshold).to(x.dtype)
-        return x * keep.mul_(1.0 / (1.0 - self.p))
+        keep = self._scaled_keep(x)
+        return F.dropout(x, self.p, training=True) if keep is None else x * keep
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x + dropout(y)."""
+        if not self.training or self.p == 0.0:
+            return x + y
+        keep = self._scaled_keep(y)
+        if keep is None or x.dtype != y.dtype or x.shape != y.shape:
+            return x + self(y)
+        return _AddScaled.apply(x, y, keep)
+
+
+class _AddScaled(torch.autograd.Function):
+    """x + y * scale, with scale a constant tensor: one pass forward and one backward, where autograd's mul and add
+    take two forward (and addcmul two backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return torch.addcmul(x, y, scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        return grad, grad * scale, None
 
 
 class FeedForward(nn.Module):
@@ -45,7 +73,11 @@ class FeedForward(nn.Module):
         super().__init__()
         self.up = nn.Linear(cfg.d_model, cfg.d_ff)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.activation = {"relu": F.relu, "gelu": F.gelu, "swish": F.silu}[cfg.activation]
+        # in place where the function allows it: the products' outputs are not needed for their gradients, and a
+        # fresh (tokens x d_ff) tensor costs as much as the activation itself
+        self.activation = {"relu": torch.relu_, "gelu": F.gelu, "swish": lambda x: F.silu(x, inplace=True)}[
+            cfg.activation
+        ]
         self.dropout = Dropout(cfg.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +88,7 @@ class FeedForward(nn.Module):
         # zero-filled gradient of a slice per layer)
         rows, n = padded
         hidden = self.dropout(self.activation(F.linear(rows, self.up.weight, self.up.bias)))
-        return F.linear(hidden, self.down.weight, self.down.bias)[:n].view(*x.shape[:-1], -1)
+        return unpad_rows(F.linear(hidden, self.down.weight, self.down.bias), n).view(*x.shape[:-1], -1)
 
 
 class EncoderLayer(nn.Module):
@@ -70,10 +102,10 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.dropout(self.self_attn(self.norm1(x), mask))
-            return x + self.dropout(self.ffn(self.norm2(x)))
-        x = self.norm1(x + self.dropout(self.self_attn(x, mask)))
-        return self.norm2(x + self.dropout(self.ffn(x)))
+            x = self.dropout.residual(x, self.self_attn(self.norm1(x), mask))
+            return self.dropout.residual(x, self.ffn(self.norm2(x)))
+        x = self.norm1(self.dropout.residual(x, self.self_attn(x, mask)))
+        return self.norm2(self.dropout.residual(x, self.ffn(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -88,12 +120,12 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, memory, mask, cache=None, start: int = 0) -> torch.Tensor:
         if self.pre_norm:
-            x = x + self.dropout(self.self_attn(self.norm1(x), causal=True, cache=cache, start=start))
-            x = x + self.dropout(self.cross_attn(self.norm2(x), memory, mask, cache=cache))
-            return x + self.dropout(self.ffn(self.norm3(x)))
-        x = self.norm1(x + self.dropout(self.self_attn(x, causal=True, cache=cache, start=start)))
-        x = self.norm2(x + self.dropout(self.cross_attn(x, memory, mask, cache=cache)))
-        return self.norm3(x + self.dropout(self.ffn(x)))
+            x = self.dropout.residual(x, self.self_attn(self.norm1(x), causal=True, cache=cache, start=start))
+            x = self.dropout.residual(x, self.cross_attn(self.norm2(x), memory, mask, cache=cache))
+            return self.dropout.residual(x, self.ffn(self.norm3(x)))
+        x = self.norm1(self.dropout.residual(x, self.self_attn(x, causal=True, cache=cache, start=start)))
+        x = self.norm2(self.dropout.residual(x, self.cross_attn(x, memory, mask, cache=cache)))
+        return self.norm3(self.dropout.residual(x, self.ffn(x)))
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:

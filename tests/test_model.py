@@ -217,26 +217,70 @@ def test_cpu_attention_without_gradients_matches_sdpa(causal):
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
-def test_row_padded_linear_under_cpu_autocast_equals_the_plain_layer():
-    """Under CPU bf16 autocast, `linear` pads rows to a multiple of 64 (so oneDNN kernels repeat across batches):
-    outputs and gradients must be those of the layer itself, and the zero rows must not leak out."""
-    from mtcli.attention import ROW_MULTIPLE, linear
+def _plain_layer(kind: str, layer, memory, mask):
+    """The layer's computation with stock autograd ops (no row padding, no hand-written backward)."""
+    from mtcli.attention import _attend, _merge_heads, _split_heads
+
+    if kind == "self":
+        return lambda x: layer.out(_merge_heads(_attend(*_split_heads(layer.qkv(x), 3, 2), None, True, 0.0)))
+    if kind == "cross":
+
+        def cross(x):
+            k, v = _split_heads(layer.kv(memory), 2, 2)
+            (q,) = _split_heads(layer.q(x), 1, 2)
+            return layer.out(_merge_heads(_attend(q, k, v, mask, False, 0.0)))
+
+        return cross
+    return lambda x: layer.down(F.relu(layer.up(x)))
+
+
+@pytest.mark.parametrize("kind", ["self", "cross", "ffn"])
+def test_row_padded_layers_under_cpu_autocast_equal_the_plain_computation(kind):
+    """Under CPU bf16 autocast, projections run on rows padded to a multiple of 64 (so oneDNN kernels repeat across
+    batches), with rows padded, unpadded, heads split and merged by hand-written autograd functions: outputs and
+    every gradient must be those of the plain computation, and the zero rows must not leak out."""
+    from mtcli.attention import ROW_MULTIPLE, CrossAttention, SelfAttention
+    from mtcli.model import FeedForward
 
     torch.manual_seed(0)
-    layer = torch.nn.Linear(16, 24)
+    cfg = ModelConfig(layers=1, d_model=16, heads=2, d_ff=24, dropout=0.0)
+    layer = {"self": SelfAttention(16, 2, 0.0), "cross": CrossAttention(16, 2, 0.0), "ffn": FeedForward(cfg)}[kind]
     x = torch.randn(3, 7, 16, requires_grad=True)  # 21 rows: padded to 64
-    assert (3 * 7) % ROW_MULTIPLE
-    grads = []
-    for fn in (layer, lambda t: linear(layer, t)):
+    memory = torch.randn(3, 5, 16, requires_grad=True)
+    mask = (torch.tensor([5, 2, 4])[:, None] > torch.arange(5))[:, None, None, :]
+    assert (3 * 7) % ROW_MULTIPLE and (3 * 5) % ROW_MULTIPLE
+    padded = {"self": lambda t: layer(t, causal=True), "cross": lambda t: layer(t, memory, mask), "ffn": layer}[kind]
+    results = []
+    for fn in (_plain_layer(kind, layer, memory, mask), padded):
         layer.zero_grad()
-        x.grad = None
+        x.grad = memory.grad = None
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = fn(x)
-        (y.float() * torch.arange(24.0)).sum().backward()
-        grads.append((y.detach().float(), x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()))
-    assert grads[1][0].shape == (3, 7, 24)
-    for plain, padded in zip(*grads):
-        torch.testing.assert_close(padded, plain, atol=1e-2, rtol=1e-2)
+        (y.float() * torch.arange(16.0)).sum().backward()
+        grads = [x.grad, memory.grad] + [p.grad for p in layer.parameters()]
+        results.append([y.detach().float()] + [g.clone() for g in grads if g is not None])
+    assert results[1][0].shape == (3, 7, 16)
+    assert len(results[0]) == len(results[1])
+    for plain, row_padded in zip(*results):
+        torch.testing.assert_close(row_padded, plain, atol=1e-2, rtol=1e-2)
+
+
+def test_fast_cpu_dropout_on_a_residual_equals_adding_the_dropped_output():
+    """Dropout.residual(x, y) is x + dropout(y) (the same mask for the same seed), gradients included."""
+    from mtcli.model import Dropout
+
+    drop = Dropout(0.3).train()
+    x, y = torch.randn(50, 40, requires_grad=True), torch.randn(50, 40, requires_grad=True)
+    results = []
+    for fn in (lambda: x + drop(y), lambda: drop.residual(x, y)):
+        x.grad = y.grad = None
+        torch.manual_seed(5)
+        out = fn()
+        (out * torch.arange(40.0)).sum().backward()
+        results.append((out.detach(), x.grad.clone(), y.grad.clone()))
+    assert (results[1][2] == 0).float().mean().item() > 0.2  # the mask reaches the gradient
+    for reference, fused in zip(*results):
+        torch.testing.assert_close(fused, reference)
 
 
 def test_three_way_tied_embeddings_are_one_tensor():
