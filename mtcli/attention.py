@@ -30,8 +30,11 @@ def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
         return None
     rows = x.reshape(-1, x.shape[-1]).to(torch.get_autocast_dtype("cpu"))
-    n = rows.shape[0]
-    return _PadRows.apply(rows, -(-n // ROW_MULTIPLE) * ROW_MULTIPLE), n
+    return _PadRows.apply(rows, _padded_count(rows.shape[0])), rows.shape[0]
+
+
+def _padded_count(rows: int) -> int:
+    return -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 # Padding and unpadding rows, splitting heads off padded rows and merging them back, each as one memory pass in
@@ -89,7 +92,10 @@ class _SplitHeads(torch.autograd.Function):
         grad[B * T :] = 0
         heads = grad[: B * T].view(ctx.shape).permute(2, 0, 3, 1, 4)
         for i, g in enumerate(grads):
-            heads[i].copy_(g) if g is not None else heads[i].zero_()
+            if g is None:
+                heads[i].zero_()
+            else:
+                heads[i].copy_(g)
         return grad, None, None, None, None
 
 
@@ -115,10 +121,6 @@ def unpad_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
     return _UnpadRows.apply(rows, n)
 
 
-def _padded_rows_of(rows: int) -> int:
-    return -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-
-
 def project_heads(layer: nn.Linear, x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
     """A fused projection of x (B, T, d) split into `parts` tensors (B, H, T, D)."""
     padded = padded_rows(x) if type(layer) is nn.Linear else None
@@ -133,7 +135,7 @@ def output_projection(layer: nn.Linear, y: torch.Tensor) -> torch.Tensor:
     B, H, T, D = y.shape
     if y.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or type(layer) is not nn.Linear:
         return layer(_merge_heads(y))
-    merged = _MergeHeads.apply(y.to(torch.get_autocast_dtype("cpu")), _padded_rows_of(B * T))
+    merged = _MergeHeads.apply(y.to(torch.get_autocast_dtype("cpu")), _padded_count(B * T))
     return unpad_rows(F.linear(merged, layer.weight, layer.bias), B * T).view(B, T, layer.out_features)
 
 
