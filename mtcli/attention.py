@@ -116,6 +116,45 @@ class _MergeHeads(torch.autograd.Function):
         return grad[: B * T].view(B, T, H, D).transpose(1, 2), None
 
 
+class _RowsLinear(torch.autograd.Function):
+    """F.linear (and optionally ReLU) of bf16 rows through oneDNN's linear, with the bias (and the ReLU) applied in
+    the product's own epilogue: torch's bf16 addmm first writes the bias into the output and then adds the product
+    to it, and ReLU is a pass of its own. The backward is addmm's (the bias gradient summed in the rows' dtype) and
+    casts the gradients to the parameters' dtypes, as autocast's does."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, relu: bool) -> torch.Tensor:
+        w = weight.to(rows.dtype)
+        b = bias.to(rows.dtype) if bias is not None else None
+        y = torch.ops.mkldnn._linear_pointwise(rows, w, b, "relu" if relu else "none", [], "")
+        ctx.save_for_backward(rows, w, y if relu else None)
+        ctx.weight_dtype, ctx.has_bias, ctx.relu = weight.dtype, bias is not None, relu
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, w, y = ctx.saved_tensors
+        if ctx.relu:
+            grad = torch.ops.aten.threshold_backward(grad, y, 0)
+        grad_rows = grad @ w if ctx.needs_input_grad[0] else None
+        grad_weight = (grad.t() @ rows).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_rows, grad_weight, grad_bias, None
+
+
+_HAS_ONEDNN_LINEAR = hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def rows_linear(layer: nn.Linear, rows: torch.Tensor, relu: bool = False) -> torch.Tensor:
+    """`layer` (then ReLU if asked) on padded_rows' rows (CPU autocast): oneDNN's linear with its bias and ReLU fused
+    where this torch has it, else F.linear."""
+    if not _HAS_ONEDNN_LINEAR:
+        y = F.linear(rows, layer.weight, layer.bias)
+        return torch.relu_(y) if relu else y
+    return _RowsLinear.apply(rows, layer.weight, layer.bias, relu)
+
+
 def unpad_rows(rows: torch.Tensor, n: int) -> torch.Tensor:
     """The first n of padded rows (a view), for autograd with a one-pass backward."""
     return _UnpadRows.apply(rows, n)
@@ -127,7 +166,7 @@ def project_heads(layer: nn.Linear, x: torch.Tensor, parts: int, heads: int) -> 
     if padded is None:
         return _split_heads(layer(x), parts, heads)
     rows, _ = padded
-    return _SplitHeads.apply(F.linear(rows, layer.weight, layer.bias), x.shape[0], x.shape[1], parts, heads)
+    return _SplitHeads.apply(rows_linear(layer, rows), x.shape[0], x.shape[1], parts, heads)
 
 
 def output_projection(layer: nn.Linear, y: torch.Tensor) -> torch.Tensor:
@@ -136,7 +175,7 @@ def output_projection(layer: nn.Linear, y: torch.Tensor) -> torch.Tensor:
     if y.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or type(layer) is not nn.Linear:
         return layer(_merge_heads(y))
     merged = _MergeHeads.apply(y.to(torch.get_autocast_dtype("cpu")), _padded_count(B * T))
-    return unpad_rows(F.linear(merged, layer.weight, layer.bias), B * T).view(B, T, layer.out_features)
+    return unpad_rows(rows_linear(layer, merged), B * T).view(B, T, layer.out_features)
 
 
 def _split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtcli.attention import CrossAttention, SelfAttention, padded_rows, unpad_rows
+from mtcli.attention import CrossAttention, SelfAttention, padded_rows, rows_linear, unpad_rows
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
 from mtcli.tokenizer import MTCLI_SPECIALS, Specials
@@ -78,6 +78,7 @@ class FeedForward(nn.Module):
         self.activation = {"relu": torch.relu_, "gelu": F.gelu, "swish": lambda x: F.silu(x, inplace=True)}[
             cfg.activation
         ]
+        self.relu = cfg.activation == "relu"
         self.dropout = Dropout(cfg.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +88,11 @@ class FeedForward(nn.Module):
         # bf16 on CPU: both products on the same padded rows, unpadded once (saves a padding copy and the
         # zero-filled gradient of a slice per layer)
         rows, n = padded
-        hidden = self.dropout(self.activation(F.linear(rows, self.up.weight, self.up.bias)))
-        return unpad_rows(F.linear(hidden, self.down.weight, self.down.bias), n).view(*x.shape[:-1], -1)
+        if self.relu:  # in the product's epilogue
+            hidden = self.dropout(rows_linear(self.up, rows, relu=True))
+        else:
+            hidden = self.dropout(self.activation(rows_linear(self.up, rows)))
+        return unpad_rows(rows_linear(self.down, hidden), n).view(*x.shape[:-1], -1)
 
 
 class EncoderLayer(nn.Module):

@@ -231,25 +231,30 @@ def _plain_layer(kind: str, layer, memory, mask):
             return layer.out(_merge_heads(_attend(q, k, v, mask, False, 0.0)))
 
         return cross
+    if kind == "ffn-swish":
+        return lambda x: layer.down(F.silu(layer.up(x)))
     return lambda x: layer.down(F.relu(layer.up(x)))
 
 
-@pytest.mark.parametrize("kind", ["self", "cross", "ffn"])
+@pytest.mark.parametrize("kind", ["self", "cross", "ffn", "ffn-swish"])
 def test_row_padded_layers_under_cpu_autocast_equal_the_plain_computation(kind):
     """Under CPU bf16 autocast, projections run on rows padded to a multiple of 64 (so oneDNN kernels repeat across
-    batches), with rows padded, unpadded, heads split and merged by hand-written autograd functions: outputs and
-    every gradient must be those of the plain computation, and the zero rows must not leak out."""
+    batches), with rows padded, unpadded, heads split and merged by hand-written autograd functions, and bias and ReLU
+    in oneDNN's epilogue: outputs and every gradient must be those of the plain computation, and the zero rows must
+    not leak out."""
     from mtcli.attention import ROW_MULTIPLE, CrossAttention, SelfAttention
     from mtcli.model import FeedForward
 
     torch.manual_seed(0)
-    cfg = ModelConfig(layers=1, d_model=16, heads=2, d_ff=24, dropout=0.0)
-    layer = {"self": SelfAttention(16, 2, 0.0), "cross": CrossAttention(16, 2, 0.0), "ffn": FeedForward(cfg)}[kind]
+    cfg = ModelConfig(
+        layers=1, d_model=16, heads=2, d_ff=24, dropout=0.0, activation="swish" if "swish" in kind else "relu"
+    )
+    layer = {"self": SelfAttention(16, 2, 0.0), "cross": CrossAttention(16, 2, 0.0)}.get(kind) or FeedForward(cfg)
     x = torch.randn(3, 7, 16, requires_grad=True)  # 21 rows: padded to 64
     memory = torch.randn(3, 5, 16, requires_grad=True)
     mask = (torch.tensor([5, 2, 4])[:, None] > torch.arange(5))[:, None, None, :]
     assert (3 * 7) % ROW_MULTIPLE and (3 * 5) % ROW_MULTIPLE
-    padded = {"self": lambda t: layer(t, causal=True), "cross": lambda t: layer(t, memory, mask), "ffn": layer}[kind]
+    padded = {"self": lambda t: layer(t, causal=True), "cross": lambda t: layer(t, memory, mask)}.get(kind, layer)
     results = []
     for fn in (_plain_layer(kind, layer, memory, mask), padded):
         layer.zero_grad()
