@@ -27,14 +27,25 @@ def padded_rows(x: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     is new almost every batch, so building kernels was a tenth of an update (docs/benchmarks.md, "Figures behind the
     code"). Zero rows make the shapes repeat; their outputs are dropped and their gradients are zero, so the weight
     gradients are unchanged. They add <2% rows."""
-    if x.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+    if not _cpu_autocast(x):
         return None
     rows = x.reshape(-1, x.shape[-1]).to(torch.get_autocast_dtype("cpu"))
-    return _PadRows.apply(rows, _padded_count(rows.shape[0])), rows.shape[0]
+    return _PadRows.apply(rows), rows.shape[0]
+
+
+def _cpu_autocast(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
 
 
 def _padded_count(rows: int) -> int:
     return -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def pad_to_row_multiple(rows: torch.Tensor) -> torch.Tensor:
+    """(n, d) rows with zero rows appended up to a multiple of ROW_MULTIPLE (rows itself if n is one), one pass;
+    not differentiable (the fused losses and _PadRows call it)."""
+    padded = _padded_count(rows.shape[0])
+    return rows if padded == rows.shape[0] else _with_zero_tail(rows, padded)
 
 
 # Padding and unpadding rows, splitting heads off padded rows and merging them back, each as one memory pass in
@@ -51,16 +62,16 @@ def _with_zero_tail(rows: torch.Tensor, padded: int) -> torch.Tensor:
 
 
 class _PadRows(torch.autograd.Function):
-    """(n, d) rows -> (padded, d), zero rows appended."""
+    """(n, d) rows -> pad_to_row_multiple(rows); the gradient is a view of the first n rows."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, padded: int) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor) -> torch.Tensor:
         ctx.n = rows.shape[0]
-        return rows if padded == ctx.n else _with_zero_tail(rows, padded)
+        return pad_to_row_multiple(rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad[: ctx.n], None
+        return grad[: ctx.n]
 
 
 class _UnpadRows(torch.autograd.Function):
@@ -128,8 +139,7 @@ class _RowsLinear(torch.autograd.Function):
         b = bias.to(rows.dtype) if bias is not None else None
         y = torch.ops.mkldnn._linear_pointwise(rows, w, b, "relu" if relu else "none", [], "")
         ctx.save_for_backward(rows, w, y if relu else None)
-        ctx.weight_dtype, ctx.has_bias, ctx.relu = weight.dtype, bias is not None, relu
-        ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.weight_dtype, ctx.bias_dtype, ctx.relu = weight.dtype, bias.dtype if bias is not None else None, relu
         return y
 
     @staticmethod
@@ -139,7 +149,7 @@ class _RowsLinear(torch.autograd.Function):
             grad = torch.ops.aten.threshold_backward(grad, y, 0)
         grad_rows = grad @ w if ctx.needs_input_grad[0] else None
         grad_weight = (grad.t() @ rows).to(ctx.weight_dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = grad.sum(0).to(ctx.bias_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        grad_bias = grad.sum(0).to(ctx.bias_dtype) if ctx.bias_dtype is not None and ctx.needs_input_grad[2] else None
         return grad_rows, grad_weight, grad_bias, None
 
 
@@ -172,7 +182,7 @@ def project_heads(layer: nn.Linear, x: torch.Tensor, parts: int, heads: int) -> 
 def output_projection(layer: nn.Linear, y: torch.Tensor) -> torch.Tensor:
     """Heads y (B, H, T, D) merged and projected by `layer`: (B, T, d)."""
     B, H, T, D = y.shape
-    if y.device.type != "cpu" or not torch.is_autocast_enabled("cpu") or type(layer) is not nn.Linear:
+    if not _cpu_autocast(y) or type(layer) is not nn.Linear:
         return layer(_merge_heads(y))
     merged = _MergeHeads.apply(y.to(torch.get_autocast_dtype("cpu")), _padded_count(B * T))
     return unpad_rows(rows_linear(layer, merged), B * T).view(B, T, layer.out_features)

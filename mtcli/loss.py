@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtcli.attention import ROW_MULTIPLE
+from mtcli.attention import pad_to_row_multiple
 from mtcli.model import Transformer
 
 CHUNK_ROWS = 1024
@@ -26,12 +26,6 @@ def _product_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the fused losses' matrix products run in: the autocast dtype when autocast is on, else the input's."""
     device = hidden.device.type
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-
-
-def _pad_rows(hidden: torch.Tensor) -> torch.Tensor:
-    """`hidden` with zero rows appended up to a multiple of ROW_MULTIPLE: shapes CPU oneDNN kernels have seen."""
-    pad = -hidden.shape[0] % ROW_MULTIPLE
-    return torch.cat([hidden, hidden.new_zeros(pad, hidden.shape[1])]) if pad else hidden
 
 
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
@@ -51,7 +45,7 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             # CPU bf16 products run oneDNN kernels built for each exact shape (milliseconds per new one), and the last
             # chunk's row count is new almost every batch: zero rows round it up to a multiple of ROW_MULTIPLE. They add
             # nothing to grad_weight (their h is 0); their losses and grad_hidden rows are dropped.
-            hidden = _pad_rows(hidden.to(dtype))
+            hidden = pad_to_row_multiple(hidden.to(dtype))
             labels = torch.cat([labels, labels.new_zeros(hidden.shape[0] - N)])
         else:
             hidden = hidden.to(dtype)
@@ -154,7 +148,8 @@ class _FusedSymmetricKL(torch.autograd.Function):
         N, hidden_dtype = hidden1.shape[0], hidden1.dtype
         h1, h2, w = hidden1.to(dtype), hidden2.to(dtype), weight.to(dtype)
         if h1.device.type == "cpu" and dtype != torch.float32:  # shapes oneDNN has seen (see the cross-entropy)
-            h1, h2 = _pad_rows(h1), _pad_rows(h2)  # zero rows in both: equal distributions, no KL, no gradient
+            # zero rows in both: equal distributions, no KL, no gradient
+            h1, h2 = pad_to_row_multiple(h1), pad_to_row_multiple(h2)
         total = torch.zeros((), dtype=torch.float32, device=h1.device)
         grad1, grad2 = torch.empty_like(h1), torch.empty_like(h2)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
