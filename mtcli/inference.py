@@ -1,6 +1,6 @@
 """The model as translation runs it: the precision chosen for the device (`auto`), bf16 weights, int8 linear layers,
-and on a CPU linear layers packed once into oneDNN's layout. Translation, validation and the server use it; training
-never does.
+and on a CPU linear layers packed once into oneDNN's layout (cpu_kernels.PackedLinear). Translation, validation and
+the server use it; training never does.
 """
 
 from __future__ import annotations
@@ -10,48 +10,10 @@ from copy import deepcopy
 
 import torch
 
+from mtcli.cpu_kernels import pack_linears
 from mtcli.device import choose_precision
 from mtcli.errors import MtcliError
 from mtcli.log import logger
-
-
-class PackedLinear(torch.nn.Module):
-    """nn.Linear for inference on a CPU, its weight reordered once into oneDNN's blocked layout. In bf16, F.linear
-    reorders the weight on every call, which at decoding sizes (5-320 rows) costs as much as the product; packed,
-    the results are identical. In fp32, F.linear runs on MKL, slower than oneDNN at decoding shapes on the CPUs
-    measured (docs/benchmarks.md, "Figures behind the code"); results differ from MKL's by float rounding
-    (~2e-6). It uses torch's private
-    mkldnn ops, as torch.compile's CPU backend does; where they are missing, `pack_linears` leaves the layers as
-    they are."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-def pack_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """Every nn.Linear of a bf16 or fp32 CPU model replaced by a PackedLinear, if this torch has the ops and they
-    agree with F.linear on a probe (bf16: exactly; fp32: to float rounding); else the model unchanged."""
-    dtype = next(model.parameters()).dtype
-    try:
-        with torch.random.fork_rng(devices=[]):  # the probe's random weights must not shift training's dropout
-            probe = torch.nn.Linear(64, 96).to(dtype)
-            x = torch.randn(5, 64).to(dtype)
-        packed, plain = PackedLinear(probe)(x), probe(x)
-        if not (torch.equal(packed, plain) if dtype == torch.bfloat16 else torch.allclose(packed, plain, atol=1e-5)):
-            return model
-    except (AttributeError, RuntimeError):
-        return model
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, PackedLinear(child))
-    return model
 
 
 def inference_model(model: torch.nn.Module, precision: str, copy: bool = False) -> torch.nn.Module:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mtcli.attention import pad_to_row_multiple
+from mtcli.cpu_kernels import pad_to_row_multiple
 from mtcli.model import Transformer
 
 CHUNK_ROWS = 1024

@@ -13,59 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mtcli.attention import CrossAttention, SelfAttention, padded_rows, rows_linear, unpad_rows
+from mtcli.attention import CrossAttention, SelfAttention
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
+from mtcli.cpu_kernels import Dropout, feed_forward_rows
 from mtcli.tokenizer import MTCLI_SPECIALS, Specials
-
-
-class Dropout(nn.Module):
-    """nn.Dropout, with a faster mask on CPU: torch's CPU Bernoulli sampler draws one random number per element,
-    while 64-bit random integers cut into four 16-bit lanes need a quarter of the draws (rate resolution 1/65536).
-    `residual(x, y)` is x + dropout(y) in one pass (and one in the backward). GPUs keep F.dropout."""
-
-    def __init__(self, p: float):
-        super().__init__()
-        self.p = p
-        # int16 lanes are uniform on [-32768, 32767]: drop the lowest round(p * 65536) values
-        self.threshold = round(p * 65536) - 32768
-
-    def _scaled_keep(self, x: torch.Tensor) -> torch.Tensor | None:
-        """1 / (1 - p) where an element is kept and 0 where dropped, in x's dtype; None where F.dropout is used."""
-        if x.device.type != "cpu" or x.numel() % 4:
-            return None
-        lanes = torch.randint(-(2**63), 2**63 - 1, (x.numel() // 4,), dtype=torch.int64).view(torch.int16)
-        return (lanes.view(x.shape) >= self.threshold).to(x.dtype).mul_(1.0 / (1.0 - self.p))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = self._scaled_keep(x)
-        return F.dropout(x, self.p, training=True) if keep is None else x * keep
-
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x + dropout(y)."""
-        if not self.training or self.p == 0.0:
-            return x + y
-        keep = self._scaled_keep(y)
-        if keep is None or x.dtype != y.dtype or x.shape != y.shape:
-            return x + self(y)
-        return _AddScaled.apply(x, y, keep)
-
-
-class _AddScaled(torch.autograd.Function):
-    """x + y * scale, with scale a constant tensor: one pass forward and one backward, where autograd's mul and add
-    take two forward (and addcmul two backward)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(scale)
-        return torch.addcmul(x, y, scale)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (scale,) = ctx.saved_tensors
-        return grad, grad * scale, None
 
 
 class FeedForward(nn.Module):
@@ -78,21 +30,11 @@ class FeedForward(nn.Module):
         self.activation = {"relu": torch.relu_, "gelu": F.gelu, "swish": lambda x: F.silu(x, inplace=True)}[
             cfg.activation
         ]
-        self.relu = cfg.activation == "relu"
         self.dropout = Dropout(cfg.activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        padded = padded_rows(x) if type(self.up) is type(self.down) is nn.Linear else None
-        if padded is None:
-            return self.down(self.dropout(self.activation(self.up(x))))
-        # bf16 on CPU: both products on the same padded rows, unpadded once (saves a padding copy and the
-        # zero-filled gradient of a slice per layer)
-        rows, n = padded
-        if self.relu:  # in the product's epilogue
-            hidden = self.dropout(rows_linear(self.up, rows, relu=True))
-        else:
-            hidden = self.dropout(self.activation(rows_linear(self.up, rows)))
-        return unpad_rows(rows_linear(self.down, hidden), n).view(*x.shape[:-1], -1)
+        rows = feed_forward_rows(self.up, self.down, self.activation, self.dropout, x)  # bf16 on a CPU, else None
+        return rows if rows is not None else self.down(self.dropout(self.activation(self.up(x))))
 
 
 class EncoderLayer(nn.Module):

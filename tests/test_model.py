@@ -182,7 +182,7 @@ def test_sdpa_attention_matches_reference_and_no_row_is_fully_masked():
 @pytest.mark.parametrize("causal", [False, True])
 def test_cpu_autocast_attention_matches_fp32_sdpa(causal):
     """Under CPU autocast, attention runs as batched products with an fp32 softmax instead of SDPA."""
-    from mtcli.attention import _attend
+    from mtcli.attention import attend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 4, 6, 8, generator=g) for _ in range(3))
@@ -190,7 +190,7 @@ def test_cpu_autocast_attention_matches_fp32_sdpa(causal):
     mask = None if causal else key_mask[:, None, None, :]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = _attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, causal, 0.0)
+        out = attend(q.bfloat16(), k.bfloat16(), v.bfloat16(), mask, causal, 0.0)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=3e-2, rtol=3e-2)
 
@@ -199,7 +199,7 @@ def test_cpu_autocast_attention_matches_fp32_sdpa(causal):
 def test_cpu_attention_without_gradients_matches_sdpa(causal):
     """Without gradients (translation, validation) a CPU runs attention as batched products, not SDPA: same result
     in fp32, including a one-query step against strided cached keys, and gradients still go through SDPA."""
-    from mtcli.attention import _attend
+    from mtcli.attention import attend
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(3, 4, 6, 8, generator=g) for _ in range(3))
@@ -207,28 +207,29 @@ def test_cpu_attention_without_gradients_matches_sdpa(causal):
     mask = None if causal else key_mask[:, None, None, :]
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     with torch.inference_mode():
-        torch.testing.assert_close(_attend(q, k, v, mask, causal, 0.0), ref, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(attend(q, k, v, mask, causal, 0.0), ref, atol=1e-6, rtol=1e-5)
         cache_k = torch.randn(3, 4, 10, 8, generator=g)  # a preallocated cache, read up to position 6
         cache_k[:, :, :6] = k
-        step = _attend(q[:, :, -1:], cache_k[:, :, :6], v, mask, False, 0.0)
+        step = attend(q[:, :, -1:], cache_k[:, :, :6], v, mask, False, 0.0)
     torch.testing.assert_close(step, F.scaled_dot_product_attention(q[:, :, -1:], k, v, attn_mask=mask))
     q.requires_grad_(True)
-    _attend(q, k, v, mask, causal, 0.0).sum().backward()
+    attend(q, k, v, mask, causal, 0.0).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
 
 
 def _plain_layer(kind: str, layer, memory, mask):
     """The layer's computation with stock autograd ops (no row padding, no hand-written backward)."""
-    from mtcli.attention import _attend, _merge_heads, _split_heads
+    from mtcli.attention import attend
+    from mtcli.cpu_kernels import merge_heads, split_heads
 
     if kind == "self":
-        return lambda x: layer.out(_merge_heads(_attend(*_split_heads(layer.qkv(x), 3, 2), None, True, 0.0)))
+        return lambda x: layer.out(merge_heads(attend(*split_heads(layer.qkv(x), 3, 2), None, True, 0.0)))
     if kind == "cross":
 
         def cross(x):
-            k, v = _split_heads(layer.kv(memory), 2, 2)
-            (q,) = _split_heads(layer.q(x), 1, 2)
-            return layer.out(_merge_heads(_attend(q, k, v, mask, False, 0.0)))
+            k, v = split_heads(layer.kv(memory), 2, 2)
+            (q,) = split_heads(layer.q(x), 1, 2)
+            return layer.out(merge_heads(attend(q, k, v, mask, False, 0.0)))
 
         return cross
     if kind == "ffn-swish":
@@ -236,14 +237,22 @@ def _plain_layer(kind: str, layer, memory, mask):
     return lambda x: layer.down(F.relu(layer.up(x)))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["onednn-linear", "public-linear"])
 @pytest.mark.parametrize("kind", ["self", "cross", "ffn", "ffn-swish"])
-def test_row_padded_layers_under_cpu_autocast_equal_the_plain_computation(kind):
+def test_row_padded_layers_under_cpu_autocast_equal_the_plain_computation(kind, fused, monkeypatch):
     """Under CPU bf16 autocast, projections run on rows padded to a multiple of 64 (so oneDNN kernels repeat across
     batches), with rows padded, unpadded, heads split and merged by hand-written autograd functions, and bias and ReLU
-    in oneDNN's epilogue: outputs and every gradient must be those of the plain computation, and the zero rows must
-    not leak out."""
-    from mtcli.attention import ROW_MULTIPLE, CrossAttention, SelfAttention
+    in oneDNN's epilogue where its probe passes (else F.linear on the padded rows): outputs and every gradient must
+    be those of the plain computation, and the zero rows must not leak out."""
+    from mtcli import cpu_kernels
+    from mtcli.attention import CrossAttention, SelfAttention
+    from mtcli.cpu_kernels import ROW_MULTIPLE
     from mtcli.model import FeedForward
+
+    if fused and not cpu_kernels.onednn_linear_works(torch.bfloat16):
+        pytest.skip("oneDNN's fused bf16 linear does not run on this CPU (its probe refused it)")
+    if not fused:
+        monkeypatch.setattr(cpu_kernels, "onednn_linear_works", lambda dtype: False)
 
     torch.manual_seed(0)
     cfg = ModelConfig(
@@ -272,7 +281,7 @@ def test_row_padded_layers_under_cpu_autocast_equal_the_plain_computation(kind):
 
 def test_fast_cpu_dropout_on_a_residual_equals_adding_the_dropped_output():
     """Dropout.residual(x, y) is x + dropout(y) (the same mask for the same seed), gradients included."""
-    from mtcli.model import Dropout
+    from mtcli.cpu_kernels import Dropout
 
     drop = Dropout(0.3).train()
     x, y = torch.randn(50, 40, requires_grad=True), torch.randn(50, 40, requires_grad=True)
@@ -308,7 +317,7 @@ def test_base_config_parameter_count_is_near_the_paper():
 
 
 def test_fast_cpu_dropout_keeps_the_rate_and_the_expectation():
-    from mtcli.model import Dropout
+    from mtcli.cpu_kernels import Dropout
 
     drop = Dropout(0.1).train()
     x = torch.ones(400, 500)
@@ -345,3 +354,31 @@ def test_pad_embedding_is_zero_and_gradients_flow():
     logits = model(src, mask, tgt)
     F.cross_entropy(logits.flatten(0, 1), torch.tensor([5, 6, EOS, 7, EOS, PAD]), ignore_index=PAD).backward()
     assert all(p.grad is not None for n, p in model.named_parameters() if "learned" not in n)
+
+
+def test_private_onednn_ops_are_probed_and_refused_when_they_fail_or_disagree(monkeypatch):
+    """oneDNN's private ops are used only where they run on this CPU and agree with the public ops (AVX2-only CPUs
+    have no bf16 kernel for the fused linear): an op that raises or computes something else is refused, and
+    translation's layers then stay plain nn.Linear."""
+    from mtcli import cpu_kernels
+
+    real = torch.ops.mkldnn._linear_pointwise
+    linear_works = cpu_kernels.onednn_linear_works.__wrapped__  # uncached: probed anew each call
+    packed_works = cpu_kernels.packed_linear_works.__wrapped__
+
+    def raises(*args):
+        raise RuntimeError("could not create a primitive descriptor")
+
+    def disagrees(x, w, b, *rest):
+        return real(x, w, b, *rest) + 1
+
+    for fake in (raises, disagrees):
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", fake)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert not linear_works(dtype)
+            assert not packed_works(dtype)
+        monkeypatch.setattr(cpu_kernels, "packed_linear_works", packed_works)
+        model = make_model()
+        assert not any(isinstance(m, cpu_kernels.PackedLinear) for m in cpu_kernels.pack_linears(model).modules())
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", real)
+    assert linear_works(torch.float32) and packed_works(torch.float32)  # fp32 oneDNN runs on every x86 CPU

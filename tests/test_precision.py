@@ -123,7 +123,7 @@ def test_fp32_translation_packs_linear_layers_and_keeps_the_outputs(copy_model):
     packed."""
     from copy import deepcopy
 
-    from mtcli.inference import PackedLinear
+    from mtcli.cpu_kernels import PackedLinear
 
     assert inference_model(copy_model, "fp32", copy=True) is copy_model
     packed = inference_model(deepcopy(copy_model), "fp32")

@@ -11,8 +11,8 @@ from torch import nn
 
 from mtcli.cache import KVCache
 from mtcli.config import ModelConfig
+from mtcli.cpu_kernels import pack_linears
 from mtcli.ensemble import Ensemble
-from mtcli.inference import pack_linears
 from mtcli.model import Transformer
 from mtcli.search import beam_search, greedy_search, length_penalty, max_output_lengths, sample
 from mtcli.tokenizer import BOS, EOS, MTCLI_SPECIALS, PAD
