@@ -107,6 +107,26 @@ def test_beam_finds_what_greedy_misses_on_known_scores():
     assert beam.score > greedy.score
 
 
+def test_beam_search_reorders_the_cache_when_the_second_best_beam_overtakes():
+    """After step 1 both surviving beams descend from the second-best first token (5), so the cache rows must be
+    reordered by back-pointers: the model reads each row's prefix from its cache, and a search that left the rows in
+    place would continue (4, 6), which the table ends at once, instead of (5, 6), which goes on to 8."""
+    table = {
+        (): {4: 0.5, 5: 0.4},
+        (4,): {6: 0.01, 7: 0.01},
+        (5,): {6: 0.9, 7: 0.09},
+        (5, 6): {8: 0.9, EOS: 0.1},
+        (5, 7): {8: 0.5, EOS: 0.5},
+        (5, 6, 8): {EOS: 1.0},
+        (5, 7, 8): {EOS: 1.0},
+    }
+    model = MockModel(table, vocab=10, default={EOS: 1.0})
+    src, mask = src_batch([3])
+    best = beam_search(model, src, mask, torch.tensor([6]), beam_size=2, lenpen=0.0)[0][0]
+    assert best.tokens == [5, 6, 8]
+    assert best.score == pytest.approx(math.log(0.4 / 0.9 * 0.9 / 0.99 * 0.9), abs=1e-4)  # log-softmax of the table
+
+
 def test_beam_one_equals_greedy_on_known_scores():
     table = {(): {4: 0.6, 5: 0.4}, (4,): {EOS: 0.45, 6: 0.55}, (4, 6): {EOS: 0.3, 7: 0.7}, (4, 6, 7): {EOS: 1.0}}
     model = MockModel(table)

@@ -212,6 +212,58 @@ def test_rdrop_runs_the_batch_twice_with_independent_dropout():
 # Checkpoints
 
 
+def _wiring_model_and_batches():
+    """A tiny dropout-free model and two micro-batches of unequal target lengths, from token ids."""
+    from mtcli.batching import collate
+    from mtcli.config import ModelConfig
+    from mtcli.model import Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(layers=1, d_model=16, heads=2, d_ff=32, dropout=0.0), 40, 40, joint_vocab=True)
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(4, 40, (n,), generator=g).tolist(), torch.randint(4, 40, (m,), generator=g).tolist())
+             for n, m in ((3, 9), (7, 2), (5, 4), (2, 11), (6, 3))]  # fmt: skip
+    first, second = pairs[:2], pairs[2:]
+    batches = [collate([s for s, _ in part], [t for _, t in part]) for part in (first, second)]
+    return model, batches, collate([s for s, _ in pairs], [t for _, t in pairs])
+
+
+def test_the_trainer_uses_the_configured_label_smoothing():
+    """A Trainer built from a config with train.label_smoothing 0.3 gives the loss projection_cross_entropy gives
+    with 0.3 (not with 0 or the default 0.1)."""
+    from mtcli.loss import target_states
+    from mtcli.update import Trainer
+
+    model, (batch, _), _ = _wiring_model_and_batches()
+    cfg = load_config("toy.yaml", ["train.label_smoothing=0.3"])
+    trainer = Trainer.build(model, cfg.train, torch.float32, torch.device("cpu"))
+    model.eval()
+    with torch.no_grad():
+        got = trainer.loss_model(batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index, batch.labels)
+        hidden = target_states(model, batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index)
+        expected = {eps: projection_cross_entropy(hidden, model.output.weight, batch.labels, eps) for eps in (0.0, 0.3)}
+    torch.testing.assert_close(got, expected[0.3])
+    assert not torch.allclose(got, expected[0.0])
+
+
+def test_micro_batches_of_one_update_give_the_gradient_of_their_concatenation():
+    """Each micro-batch's loss is normalised by the update's target tokens, not its own: one update over two
+    micro-batches of unequal length has the gradient of one step over both at once."""
+    from mtcli.update import Trainer, train_step
+
+    model, micro_batches, whole = _wiring_model_and_batches()
+    grads = []
+    for batches in (micro_batches, [whole]):
+        trainer = Trainer.build(model, TrainConfig(), torch.float32, torch.device("cpu"))
+        trainer.optimizer.step = lambda: grads.append([p.grad.clone() for p in model.parameters()])  # no update
+        tokens = sum(b.n_tgt_tokens for b in batches)
+        assert tokens == whole.n_tgt_tokens
+        train_step(trainer, batches, tokens, lr=1e-3, clip_norm=0.0)
+    assert micro_batches[0].n_tgt_tokens != micro_batches[1].n_tgt_tokens
+    for split, joined in zip(*grads):
+        torch.testing.assert_close(split, joined, atol=1e-6, rtol=1e-4)
+
+
 @pytest.mark.slow
 def test_checkpoint_round_trip(cache_dir, tmp_path):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 3, "train.valid_every": 3})
