@@ -287,11 +287,9 @@ class Deduplicator:
 def describe_drops(counts: dict, cfg: DataConfig) -> str:
     """The report's account of the dropped training pairs, one figure per filter that is on."""
     c = cfg.clean
-    parts = [
-        f"{counts['empty']:,} with an empty side",
-        f"{counts['too_long']:,} over {cfg.max_len} subwords",
-        f"{counts['ratio']:,} over length ratio {cfg.max_ratio:g}",
-    ]
+    parts = [f"{counts['empty']:,} with an empty side", f"{counts['too_long']:,} over {cfg.max_len} subwords"]
+    if cfg.max_ratio:
+        parts.append(f"{counts['ratio']:,} over length ratio {cfg.max_ratio:g}")
     if c.duplicates:
         parts.append(f"{counts['duplicate']:,} duplicates")
     if c.copies:

@@ -28,14 +28,15 @@ ROLES = ("train", "valid", "test")
 
 @dataclass
 class SplitSource:
-    """One split of a parallel corpus: `num_rows` pairs that `batches()` yields as two lists of strings."""
+    """One split of a parallel corpus: `num_rows` pairs that `batches()` and `rows()` yield as two lists of
+    strings."""
 
     role: str
     name: str
     num_rows: int
     description: str
-    _dataset: Any  # a datasets.Dataset, or a pair of them (one per side) for plain text
-    _read: Any  # function(dataset_or_pair, start, stop) -> (sources, targets)
+    _dataset: Any  # what `_read` reads: a datasets.Dataset, LineFiles, or the parts of data.train_corpora
+    _read: Any  # function(dataset, rows) -> (sources, targets); rows: a range, or a list of ascending row indices
     corpora: tuple[tuple[str, int], ...] = ()  # (name, rows) of each of data.train_corpora, read one after the other
 
     def batches(self, batch_size: int = 10_000, indices: list[int] | None = None) -> Iterator[tuple[list, list]]:
@@ -45,6 +46,10 @@ class SplitSource:
             return
         for start in range(0, self.num_rows, batch_size):
             yield self._read(self._dataset, range(start, min(start + batch_size, self.num_rows)))
+
+    def rows(self, start: int, stop: int) -> tuple[list, list]:
+        """The (sources, targets) of rows start ... stop - 1 (a stop past the end: up to the last row)."""
+        return self._read(self._dataset, range(start, min(stop, self.num_rows)))
 
 
 def describe_source(cfg: DataConfig) -> str:
@@ -98,7 +103,13 @@ def open_splits(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None
         found = _open_local(cfg, Path(cfg.path), names)
     elif cfg.dataset == "toy":
         folder = cache_dir / "toy-corpus"
-        write_toy_corpus(folder)
+        try:
+            write_toy_corpus(folder)
+        except OSError as e:
+            raise MtcliError(
+                f"data.cache_dir {cache_dir}: cannot write the toy corpus there ({e.strerror or _one_line(e)}); set "
+                "data.cache_dir to a folder you can write to"
+            ) from None
         found = _open_local(cfg, folder, names)
     else:
         found = _open_hub(cfg, names)

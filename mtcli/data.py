@@ -3,7 +3,8 @@
 `prepare(cfg)` builds (or finds) a cache folder keyed by everything that shapes its content; a second call with
 nothing changed returns at once. Encoded ids live in flat memory-mapped arrays (one per side, plus offsets), so a
 WMT-size corpus never has to fit in RAM. A half-written cache has a temporary name and is never taken for a complete
-one.
+one; a complete one that was damaged later (a truncated copy, a disk error) is refused when it is opened: meta.json
+records every file's size, and each split's offsets must fit its ids.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import re
 import resource
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -31,12 +32,14 @@ from mtcli.encode import Job, available_cores, encoded_chunks, workers_for
 from mtcli.errors import MtcliError, error_text
 from mtcli.log import logger, progress_bar
 from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
+from mtcli.outputs import publish_folder
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
 DTYPES = ("uint16", "int32")  # of the cached ids: uint16 while the vocabulary fits
 EVAL_ROLES = ("valid", "test")
 TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest", "workers")  # never change the cached content
+CHECK_BLOCK = 1 << 22  # offsets checked a block at a time: memory flat in the split's size
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -98,15 +101,16 @@ class EncodedSplit:
     role: str
 
     @cached_property
+    def _arrays(self) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        return open_split(self.folder, self.role, read_meta(self.folder))
+
+    @cached_property
     def _offsets(self) -> tuple[np.ndarray, np.ndarray]:
-        # memory-mapped: a split of tens of millions of pairs starts training without reading them into RAM
-        load = lambda side: np.load(self.folder / f"{self.role}.{side}.idx.npy", mmap_mode="r")  # noqa: E731
-        return load("src"), load("tgt")
+        return self._arrays[0]
 
     @cached_property
     def _tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        dtype = read_meta(self.folder)["dtype"]
-        return tuple(_memmap(self.folder / f"{self.role}.{side}.bin", dtype) for side in ("src", "tgt"))
+        return self._arrays[1]
 
     def __len__(self) -> int:
         return len(self._offsets[0]) - 1
@@ -131,8 +135,17 @@ class EncodedSplit:
 
     def texts(self) -> tuple[list[str], list[str]]:
         """The raw (stripped) source and reference lines of an eval split: what translation and BLEU read."""
-        read = lambda side: (self.folder / f"{self.role}.{side}.txt").read_text(encoding="utf-8").split("\n")[:-1]  # noqa: E731
-        return read("src"), read("tgt")
+        texts = []
+        for side in ("src", "tgt"):
+            path = self.folder / f"{self.role}.{side}.txt"
+            try:
+                lines = path.read_text(encoding="utf-8").split("\n")[:-1]
+            except (OSError, UnicodeDecodeError) as e:
+                raise damaged_cache(path, error_text(e)) from None
+            if len(lines) != len(self):
+                raise damaged_cache(path, f"{len(lines)} lines for {len(self)} pairs")
+            texts.append(lines)
+        return texts[0], texts[1]
 
 
 class SampledSplit:
@@ -191,20 +204,82 @@ def read_meta(folder: Path) -> dict:
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         meta = {"error": error_text(e)}
     if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict) or meta.get("dtype") not in DTYPES:
-        raise MtcliError(f"{path}: damaged data cache; rebuild it with mtcli data prepare --force (or delete {folder})")
+        reason = meta["error"] if isinstance(meta, dict) and "error" in meta else "no splits or id type"
+        raise damaged_cache(path, reason)
     return meta
 
 
-def _memmap(path: Path, dtype: str) -> np.ndarray:
-    if path.stat().st_size == 0:  # numpy cannot map an empty file
-        return np.zeros(0, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="r")
+def damaged_cache(path: Path, reason: str) -> MtcliError:
+    """The one line for a cache file that does not hold what meta.json says: rebuilding is the only cure."""
+    return MtcliError(
+        f"{path}: damaged data cache ({reason}); rebuild it with `mtcli data prepare --force` and the same config "
+        f"(or delete {path.parent})"
+    )
+
+
+def check_sizes(folder: Path, meta: dict, prefix: str = "") -> None:
+    """The files (those whose names start with `prefix`) have the sizes meta.json recorded when the cache was
+    written; a cache written before sizes were recorded has none, and its offsets are checked alone."""
+    recorded = meta.get("files")
+    if not isinstance(recorded, dict):
+        return
+    for name, size in recorded.items():
+        if not name.startswith(prefix):
+            continue
+        path = folder / name
+        try:
+            actual = path.stat().st_size
+        except OSError as e:
+            raise damaged_cache(path, e.strerror or error_text(e)) from None
+        if actual != size:
+            raise damaged_cache(path, f"{actual} bytes; meta.json records {size}")
+
+
+def open_split(folder: Path, role: str, meta: dict) -> tuple[tuple, tuple]:
+    """A split's offsets and ids (both sides), memory-mapped, once they are known to fit each other: recorded sizes,
+    offsets that start at 0, never decrease and end at the id file's length, and the pair and id counts of
+    meta.json. Cost: a stat per file and one vectorized pass over the offsets, never a loop over sentences."""
+    check_sizes(folder, meta, f"{role}.")
+    counts = meta["splits"].get(role)
+    counts = counts if isinstance(counts, dict) else {}
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    offsets, tokens = [], []
+    for side in ("src", "tgt"):
+        idx, bin_path = folder / f"{role}.{side}.idx.npy", folder / f"{role}.{side}.bin"
+        try:
+            # memory-mapped: a split of tens of millions of pairs starts training without reading them into RAM
+            off = np.load(idx, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as e:  # missing, or a header cut short
+            raise damaged_cache(idx, error_text(e)) from None
+        try:
+            size = bin_path.stat().st_size
+        except OSError as e:
+            raise damaged_cache(bin_path, e.strerror or error_text(e)) from None
+        if off.dtype != np.int64 or off.ndim != 1 or len(off) == 0 or off[0] != 0:
+            raise damaged_cache(idx, "not offsets starting at 0")
+        if len(off) - 1 != counts.get("kept", len(off) - 1):
+            raise damaged_cache(idx, f"{len(off) - 1} pairs; meta.json records {counts['kept']}")
+        for start in range(0, len(off) - 1, CHECK_BLOCK):
+            block = np.asarray(off[start : start + CHECK_BLOCK + 1])
+            if (block[1:] < block[:-1]).any():
+                row = start + int(np.argmax(block[1:] < block[:-1]))
+                raise damaged_cache(idx, f"pair {row + 1} ends before it starts")
+        ids, extra = divmod(size, itemsize)
+        if extra or off[-1] != ids:
+            what = f"{size} bytes, {ids} ids" + (f" and {extra} bytes" if extra else "")
+            raise damaged_cache(bin_path, f"{what}; its offsets in {idx.name} end at id {int(off[-1])}")
+        if ids != counts.get(f"{side}_tokens", ids):
+            raise damaged_cache(bin_path, f"{ids} ids; meta.json records {counts[f'{side}_tokens']}")
+        offsets.append(off)
+        tokens.append(np.zeros(0, dtype=meta["dtype"]) if size == 0 else np.memmap(bin_path, meta["dtype"], mode="r"))
+    return (offsets[0], offsets[1]), (tokens[0], tokens[1])
 
 
 @dataclass
 class PreparedData:
     folder: Path
     meta: dict
+    _splits: dict[str, EncodedSplit] = field(default_factory=dict, repr=False, compare=False)  # opened (checked) once
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -220,7 +295,15 @@ class PreparedData:
                 f"the prepared data in {self.folder} has no {role} split "
                 f"(it has: {', '.join(self.roles)}); set data.splits.{role}"
             )
-        return EncodedSplit(self.folder, role)
+        if role not in self._splits:
+            self._splits[role] = EncodedSplit(self.folder, role)
+        return self._splits[role]
+
+    def check(self) -> None:
+        """Refuse a damaged cache before anything reads it: every file's recorded size, every split's offsets."""
+        check_sizes(self.folder, self.meta)
+        for role in self.roles:
+            len(self.split(role))  # opening a split checks it
 
 
 def prepare(cfg: Config, force: bool = False) -> PreparedData:
@@ -229,18 +312,15 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
     data_cfg.check_source()
     folder = cache_folder(data_cfg)
     if (folder / "meta.json").is_file() and not force:
-        meta = read_meta(folder)
+        data = PreparedData(folder, read_meta(folder))
+        data.check()
         logger.info(
             f"data: {describe_source(data_cfg)}, {data_cfg.src_lang} -> {data_cfg.tgt_lang}: cached in {folder}"
         )
-        return PreparedData(folder, meta)
+        return data
 
     start = time.time()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_work(folder.parent)
-    tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = _work_folder(folder)
     stack = contextlib.ExitStack()
     try:
         # The header comes once the source is open, so a source that cannot be read fails with its error alone.
@@ -283,11 +363,14 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
             "seconds": round(time.time() - start, 1),
             "workers": workers,
             "phases": phases,
+            # what every file holds, in bytes: opening the cache checks them (check_sizes)
+            "files": {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()},
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1, ensure_ascii=False))
         shutil.rmtree(arrow, ignore_errors=True)
-        shutil.rmtree(folder, ignore_errors=True)  # only reached with force=True or a half-removed folder
-        os.replace(tmp, folder)  # atomic: a crash leaves no half-written cache under the real name
+        # Durable, then renamed: a crash leaves no half-written cache under the real name. An existing folder (only
+        # with force=True, or a half-removed one) is replaced.
+        publish_folder(tmp, folder)
     finally:
         stack.close()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -312,7 +395,26 @@ def _phase(began: float, pairs: int | None = None) -> dict:
     return phase
 
 
-STALE_WORK = re.compile(r"\.(.+-[0-9a-f]{12})\.tmp-(\d+)")  # a prepare's work folder: .<cache folder>.tmp-<pid>
+# A prepare's work folder, .<cache folder>.tmp-<pid>, or the old cache it was replacing (outputs.publish_folder)
+STALE_WORK = re.compile(r"\.(.+-[0-9a-f]{12})\.(?:tmp|old)-(\d+)")
+
+
+def _work_folder(folder: Path) -> Path:
+    """An empty temporary sibling of the cache folder to build it in, after removing dead prepares' leftovers. A
+    data.cache_dir that cannot hold it (a file, a read-only or odd place such as /proc) is one line."""
+    cache_dir = folder.parent
+    tmp = cache_dir / f".{folder.name}.tmp-{os.getpid()}"
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_work(cache_dir)
+        shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only (the pid is in the name)
+        tmp.mkdir()
+    except OSError as e:
+        raise MtcliError(
+            f"data.cache_dir {cache_dir}: cannot write the data cache there ({e.strerror or error_text(e)}); set "
+            "data.cache_dir to a folder you can write to"
+        ) from None
+    return tmp
 
 
 def remove_stale_work(cache_dir: Path) -> None:

@@ -52,9 +52,13 @@ def open_train_corpora(cfg: DataConfig, cache_dir: Path, notes: list[str] | None
         sources, targets = [], []
         for part, start, stop in zip(parts, starts[:-1], starts[1:]):
             local = rows[(rows >= start) & (rows < stop)] - start
-            if len(local):
-                contiguous = local[-1] - local[0] + 1 == len(local)
-                s, t = part._read(part._dataset, range(local[0], local[-1] + 1) if contiguous else local.tolist())
+            if not len(local):
+                continue
+            if local[-1] - local[0] + 1 == len(local):  # contiguous
+                read = [part.rows(int(local[0]), int(local[-1]) + 1)]
+            else:  # the sample: a batch of its rows at a time
+                read = part.batches(indices=local.tolist())
+            for s, t in read:
                 sources += list(s)
                 targets += list(t)
         return sources, targets

@@ -11,7 +11,16 @@ import yaml
 from conftest import losses
 
 from mtcli import checkpoint as ckpt
-from mtcli.clean import ChunkFilter, LanguageId, flatten, letter_classes, longest_runs, other_script_shares
+from mtcli.clean import (
+    REASONS,
+    ChunkFilter,
+    LanguageId,
+    describe_drops,
+    flatten,
+    letter_classes,
+    longest_runs,
+    other_script_shares,
+)
 from mtcli.config_loader import load_config
 from mtcli.data import prepare
 from mtcli.errors import MtcliError
@@ -82,8 +91,8 @@ def test_the_report_counts_exactly_the_defects_of_each_kind(tmp_path, log):
     assert {reason: train_counts[reason] for reason in DEFECTS} == {k: len(v) for k, v in DEFECTS.items()}
     assert train_counts["ratio"] == 0 and train_counts["kept"] == len(NORMAL) == len(data.split("train"))
     expected = (
-        "dropped 1 with an empty side, 1 over 40 subwords, 0 over length ratio 0, 4 duplicates, 2 copies (source = "
-        "target), 1 with a piece repeated over 6 times, 2 over 80% letters in another script, 2 in another language"
+        "dropped 1 with an empty side, 1 over 40 subwords, 4 duplicates, 2 copies (source = target), 1 with a piece "
+        "repeated over 6 times, 2 over 80% letters in another script, 2 in another language"
     )
     assert any(expected in line for line in log), log
     text = data.tokenizer.src.decode([data.split("train").src(i).tolist() for i in range(len(NORMAL))])
@@ -99,6 +108,13 @@ def test_the_report_counts_exactly_the_defects_of_each_kind(tmp_path, log):
     defaults = prepare(make_config(tmp_path, {"path": str(folder)}))  # langid off
     assert defaults.meta["splits"]["train"]["kept"] == len(NORMAL) + len(DEFECTS["langid"])
     assert not any("another language" in line for line in log[-3:])
+
+
+def test_the_report_names_the_ratio_filter_only_when_it_is_on(tmp_path):
+    counts = dict.fromkeys(REASONS, 0) | {"ratio": 7}
+    config = lambda ratio: make_config(tmp_path, {"path": str(tmp_path), "max_ratio": ratio}).data  # noqa: E731
+    assert "ratio" not in describe_drops(counts, config(0))  # 0: off
+    assert "7 over length ratio 2.5" in describe_drops(counts, config(2.5))
 
 
 def test_script_shares_runs_and_languages_without_a_script(tmp_path):

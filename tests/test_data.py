@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from conftest import tiny_pairs
@@ -18,8 +20,9 @@ from conftest import tiny_pairs
 import mtcli.data
 from mtcli.batching import epoch_batches, padding_counts
 from mtcli.clean import clean_line
+from mtcli.cli import main
 from mtcli.config_loader import load_config
-from mtcli.corpus import split_names
+from mtcli.corpus import open_splits, split_names
 from mtcli.data import eval_texts, prepare
 from mtcli.errors import MtcliError
 from mtcli.line_io import check_utf8, has_bare_cr
@@ -107,6 +110,17 @@ def test_each_local_format_loads(tmp_path, layout):
     train = data.split("train")
     assert decode_all(data, train)[1] == [t for _, t in corpus["train"]]
     assert (train.src_lens == [len(train.src(i)) + 1 for i in range(len(train))]).all()
+
+
+@pytest.mark.parametrize("layout", ["text", "tsv", "jsonl", "jsonl-nested"])
+def test_a_split_source_reads_rows_by_range(tmp_path, layout):
+    folder = tmp_path / "corpus"
+    pairs = tiny_pairs(30, 1)
+    write_layout(folder, layout, "train", pairs)
+    split = open_splits(make_config(tmp_path, {"path": str(folder)}).data, tmp_path / "cache")["train"]
+    for start, stop in ((5, 9), (0, 3), (28, 30), (2, 40)):  # an earlier row after a later one; a stop past the end
+        sources, targets = split.rows(start, stop)
+        assert (list(sources), list(targets)) == ([s for s, _ in pairs[start:stop]], [t for _, t in pairs[start:stop]])
 
 
 def test_format_setting_picks_one_of_several_layouts(tmp_path):
@@ -471,7 +485,7 @@ def test_a_damaged_cache_meta_json_is_one_line(tmp_path, tiny_corpus, content):
     meta.write_text(content)
     split = mtcli.data.EncodedSplit(meta.parent, "train")
     for read in (lambda: prepare(cfg), lambda: eval_texts(cfg, "test"), lambda: split.src(0)):
-        with pytest.raises(MtcliError, match=rf"^{re.escape(str(meta))}: damaged data cache; rebuild it"):
+        with pytest.raises(MtcliError, match=rf"^{re.escape(str(meta))}: damaged data cache \(.+\); rebuild it"):
             read()
     assert prepare(cfg, force=True).meta["splits"]["train"]["total"] == 300
 
@@ -589,6 +603,126 @@ def test_cache_is_invalidated_by_what_shapes_it(tmp_path, tiny_corpus, change, l
     if new_refs is not None:  # the new content, not a stale copy from some cache
         assert second.split("test").texts()[1] == new_refs
         assert first.split("test").texts()[1] != new_refs
+
+
+@pytest.fixture(scope="module")
+def prepared_cache(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny corpus and its data cache, prepared once: the tests that damage a cache damage copies of it."""
+    home = tmp_path_factory.mktemp("prepared")
+    for split, n, seed in (("train", 300, 1), ("valid", 20, 2), ("test", 20, 3)):
+        write_text_pair(home / "corpus", split, tiny_pairs(n, seed))
+    prepare(make_config(home, {"path": str(home / "corpus")}))
+    return home / "corpus", home / "cache"
+
+
+def files_of(*folders: Path) -> dict[Path, bytes]:
+    """Every file below `folders` with its bytes: what a refused command must leave as it found it."""
+    return {p: p.read_bytes() for folder in folders for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def damage(folder: Path, how: str) -> tuple[str, str]:
+    """Damage a cache as a disk error or an interrupted copy would; returns the damaged split and the start of the
+    paths of its files (the message names one of them)."""
+    if how == "truncated ids":
+        path = folder / "train.src.bin"
+        os.truncate(path, path.stat().st_size // 2)
+        return "train", str(folder / "train.src.")
+    if how == "truncated header":
+        os.truncate(folder / "test.src.idx.npy", 60)
+        return "test", str(folder / "test.src.")
+    if how == "truncated text":
+        path = folder / "test.tgt.txt"
+        os.truncate(path, path.stat().st_size // 2)
+        return "test", str(folder / "test.tgt.")
+    offsets = np.load(folder / "train.tgt.idx.npy", mmap_mode="r+")  # the files keep their sizes: the offsets tell
+    if how == "offsets past the end":
+        offsets[len(offsets) // 2 :] += 1000
+    else:  # out of order
+        offsets[5] = offsets[7] + 1
+    offsets.flush()
+    return "train", str(folder / "train.tgt.")
+
+
+@pytest.mark.parametrize(
+    ("how", "sizes"),  # sizes: meta.json records its files' sizes (a cache written before has none)
+    [
+        ("truncated ids", True),
+        ("truncated ids", False),
+        ("offsets past the end", True),
+        ("offsets past the end", False),
+        ("offsets out of order", False),
+        ("truncated header", True),
+        ("truncated header", False),
+        ("truncated text", True),
+    ],
+)
+def test_a_damaged_cache_is_one_line_and_never_read(tmp_path, prepared_cache, monkeypatch, capsys, how, sizes):
+    corpus, cache = prepared_cache
+    shutil.copytree(cache, tmp_path / "cache")
+    cfg = make_config(tmp_path, {"path": str(corpus)})
+    folder = mtcli.data.cache_folder(cfg.data)
+    if not sizes:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        meta.pop("files", None)
+        (folder / "meta.json").write_text(json.dumps(meta), encoding="utf-8")
+    role, where = damage(folder, how)
+    before = files_of(corpus, tmp_path / "cache")
+    expected = rf"^{re.escape(where)}\S+: damaged data cache \(.+\); rebuild it with `mtcli data prepare --force`"
+    with pytest.raises(MtcliError, match=expected) as info:
+        prepare(cfg)  # what `data prepare` and training open
+    assert "\n" not in str(info.value)
+    split = mtcli.data.EncodedSplit(folder, role)
+    with pytest.raises(MtcliError, match=expected):
+        split.texts() if how == "truncated text" else split.src(0)
+    monkeypatch.setattr(sys, "argv", ["mtcli", "data", "prepare", "--config", str(tmp_path / "run.yaml")])
+    with pytest.raises(SystemExit) as exited:
+        main()  # the installed command
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [f"error: {info.value}"]
+    assert files_of(corpus, tmp_path / "cache") == before
+    rebuilt = prepare(cfg, force=True)  # what the message says to do
+    assert len(rebuilt.split("train")) == rebuilt.meta["splits"]["train"]["kept"] > 250
+
+
+def test_a_rebuild_replaces_the_cache_and_removes_what_killed_ones_left(tmp_path, prepared_cache):
+    """--force moves the old cache aside (`.<name>.old-<pid>`) before removing it; one left by a prepare killed at that
+    moment is removed by the next prepare, one whose process runs is kept."""
+    corpus, cache = prepared_cache
+    shutil.copytree(cache, tmp_path / "cache")
+    cfg = make_config(tmp_path, {"path": str(corpus)})
+    folder = mtcli.data.cache_folder(cfg.data)
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()  # its pid is now free
+    dead, running = (folder.parent / f".{folder.name}.old-{pid}" for pid in (child.pid, os.getppid()))
+    for left in (dead, running):
+        shutil.copytree(folder, left)
+    (folder / "train.src.bin").write_bytes(b"")
+    assert len(prepare(cfg, force=True).split("train")) > 250
+    assert not dead.exists() and running.is_dir()
+
+
+@pytest.mark.parametrize("where", ["/proc/self", "a file"])
+def test_a_cache_dir_that_cannot_hold_a_cache_is_one_line(tmp_path, tiny_corpus, monkeypatch, capsys, where):
+    if where == "a file":
+        where = tmp_path / "notes.txt"
+        where.write_text("mine\n")
+    cfg = make_config(tmp_path, {"path": str(tiny_corpus), "cache_dir": str(where)})
+    before = files_of(tmp_path)
+    expected = rf"^data.cache_dir {re.escape(str(where))}: cannot write"
+    with pytest.raises(MtcliError, match=expected):
+        prepare(cfg)
+    toy = load_config("toy.yaml", [f"data.cache_dir={where}"])
+    for read in (lambda: prepare(toy), lambda: eval_texts(toy, "test")):  # the toy corpus is written there too
+        with pytest.raises(MtcliError, match=expected):
+            read()
+    argv = ["mtcli", "data", "prepare", "--config", str(tmp_path / "run.yaml"), "--set", f"data.cache_dir={where}"]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and re.match(expected, lines[0].removeprefix("error: ")), lines
+    assert files_of(tmp_path) == before
 
 
 def test_touching_a_file_invalidates_the_cache(tmp_path, tiny_corpus):
