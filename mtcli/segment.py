@@ -1,6 +1,6 @@
 """Cutting text into what the model translates and putting the translations back together.
 
-Three cuts, each keeping everything between the pieces (the glue) so the output keeps the input's layout:
+Two cuts, each keeping everything between the pieces (the glue) so the output keeps the input's layout:
 - plain text into lines, and lines into sentences with sentencex (Wikimedia's rule-based segmenter for ~300
   languages: a compiled wheel with no dependencies and no models to download);
 - HTML into blocks of text between tags (tags, comments and the contents of script, style, code and pre are kept
@@ -8,9 +8,9 @@ Three cuts, each keeping everything between the pieces (the glue) so the output 
   sentence is translated whole, each element's own text is translated too, and `place_marks` puts the element back
   around the words of the sentence's translation that match its translation (exactly, ignoring case, or by shared
   runs of characters), else at the same relative place: how Argos Translate (LibreTranslate) keeps inline tags,
-  without asking the model to copy placeholders it never saw in training;
-- a sentence longer than the model's positions into pieces of at most that many subwords, cut at word starts and
-  preferably after punctuation, so a long input is translated whole instead of truncated.
+  without asking the model to copy placeholders it never saw in training.
+
+(A sentence longer than the model's positions is cut into pieces by translate.split_long, not here.)
 
 A text cut into pieces p0, p1, ... is `glue[0] + p0 + glue[1] + p1 + ... + glue[-1]`; `join` puts translations in
 the pieces' places. Runs with no letter in them (numbers, emoji, punctuation) stay in the glue, untranslated.
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from html.parser import HTMLParser
 
-from mtcli.tokenizer import CJK_LANGS
+from mtcli.tokenizer import word_separator
 
 VERBATIM_TAGS = {"script", "style", "code", "pre"}  # HTML whose text is not prose to translate
 # Inline elements: their text is part of the surrounding sentence, which is translated whole, and the element is put
@@ -251,7 +251,7 @@ def join(segments: Segments, translations: list[str], tgt_lang: str, mark_transl
     the target language writes without them (Chinese, Japanese). HTML: translations are escaped, and each piece's
     inline elements are put back around the words of its translation that translate their text
     (`mark_translations`: the translations of segments.mark_texts(); without them, the texts themselves)."""
-    no_spaces = tgt_lang.lower() in CJK_LANGS
+    no_spaces = word_separator(tgt_lang) == ""
     marks = iter(segments.mark_texts() if mark_translations is None else mark_translations)
     out = [segments.glue[0]]
     for i, translation in enumerate(translations):

@@ -39,6 +39,12 @@ MTCLI_SPECIALS = Specials()
 CJK_LANGS = {"zh", "ja", "zh-cn", "zh-tw", "zho", "jpn", "cmn"}
 
 
+def word_separator(lang: str) -> str:
+    """What goes between the translations of two pieces of one text: nothing for languages written without spaces
+    (Chinese, Japanese), a space otherwise."""
+    return "" if lang.lower() in CJK_LANGS else " "
+
+
 def character_coverage(cfg: DataConfig) -> float:
     if cfg.character_coverage is not None:
         return cfg.character_coverage

@@ -27,7 +27,7 @@ from mtcli.errors import MtcliError
 from mtcli.inference import inference_model, translation_precision
 from mtcli.log import logger, progress_bar
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
-from mtcli.tokenizer import CJK_LANGS, Tokenizer
+from mtcli.tokenizer import Tokenizer, word_separator
 
 DECODE_OPTIONS = {f.name for f in fields(DecodeConfig)}
 PUNCTUATION = tuple(",;:.!?)]}…，。；：！？、）")  # a long sentence is best cut right after one of these
@@ -240,7 +240,7 @@ def translate_long_lines(translator, lines: list[str], decode, progress=False) -
     translated as one list, and each line's translations joined with a space (nothing for Chinese or Japanese)."""
     cut = [split_long(translator.tokenizer, line, translator.max_src_tokens) for line in lines]
     hyps = iter(translator.translate_lines([p for pieces in cut for p in pieces], decode, progress))
-    sep = "" if translator.config.data.tgt_lang.lower() in CJK_LANGS else " "
+    sep = word_separator(translator.config.data.tgt_lang)
     return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]
 
 
