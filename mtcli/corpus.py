@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mtcli.config import DataConfig
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 from mtcli.hub import hub_offline, require_hub
 from mtcli.line_io import check_utf8
 from mtcli.toy import TOY_VERSION, write_toy_corpus
@@ -107,7 +107,7 @@ def open_splits(cfg: DataConfig, cache_dir: Path, notes: list[str] | None = None
             write_toy_corpus(folder)
         except OSError as e:
             raise MtcliError(
-                f"data.cache_dir {cache_dir}: cannot write the toy corpus there ({e.strerror or _one_line(e)}); set "
+                f"data.cache_dir {cache_dir}: cannot write the toy corpus there ({e.strerror or error_text(e)}); set "
                 "data.cache_dir to a folder you can write to"
             ) from None
         found = _open_local(cfg, folder, names)
@@ -196,7 +196,7 @@ def _load_files(builder: str, path: Path, **kwargs):
         except Exception as e:  # the library's own error, cut to one line and tied to the file
             if builder == "json":  # its error names no line ("An error occurred while generating the dataset")
                 check_jsonl_lines(path)
-            raise MtcliError(f"{path}: could not read as {builder}: {_one_line(e)}") from None
+            raise MtcliError(f"{path}: could not read as {builder}: {error_text(e, 400)}") from None
 
 
 def check_jsonl_lines(path: Path) -> None:
@@ -213,7 +213,7 @@ def check_jsonl_lines(path: Path) -> None:
             except json.JSONDecodeError as e:
                 raise MtcliError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
             except (ValueError, RecursionError) as e:  # a number of over 4,300 digits; thousands of nested brackets
-                raise MtcliError(f"{path}:{number}: not valid JSON ({_one_line(e)[:200]})") from None
+                raise MtcliError(f"{path}:{number}: not valid JSON ({error_text(e)})") from None
             if not isinstance(value, dict):
                 raise MtcliError(
                     f"{path}:{number}: expected a JSON object such as "
@@ -351,7 +351,7 @@ def _open_hub(cfg: DataConfig, names: dict[str, str]) -> dict[str, SplitSource]:
     except Exception as e:  # network, missing dataset or subset, bad layout: one line that says which
         raise MtcliError(
             f"could not load dataset `{name}`{f' subset `{cfg.subset}`' if cfg.subset else ''}: "
-            f"{_one_line(e)}. To use local files instead: --set data.path=FOLDER"
+            f"{error_text(e, 400)}. To use local files instead: --set data.path=FOLDER"
         ) from None
     found = {}
     for role, split in names.items():
@@ -472,11 +472,6 @@ def _no_download_count():
         yield
     finally:
         datasets.config.HF_UPDATE_DOWNLOAD_COUNTS = was
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text if len(text) < 400 else text[:400] + "..."
 
 
 def fingerprint_hash(obj: Any) -> str:

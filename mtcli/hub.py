@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlparse
 
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 
 PROBE_TIMEOUT_S = 8.0
 
@@ -35,7 +35,7 @@ def require_hub(what: str, instead: str) -> None:
     except urllib.error.HTTPError:
         pass  # any HTTP status is an answer: the Hub is there
     except (OSError, ValueError) as e:  # refused, unknown host, timed out (socket.timeout is an OSError), bad URL
-        reason = " ".join(str(getattr(e, "reason", e)).split()) or type(e).__name__
+        reason = error_text(getattr(e, "reason", None) or e)
         if isinstance(getattr(e, "reason", e), TimeoutError) or isinstance(e, TimeoutError):
             reason = f"no answer within {PROBE_TIMEOUT_S:.0f} s"
         message = f"cannot reach the Hugging Face Hub at {host}:{port} to download {what} ({reason}). {instead}"

@@ -82,7 +82,7 @@ def train_sentencepiece(sentences: Iterable[str], out_path: Path, cfg: DataConfi
             **({"user_defined_symbols": list(symbols)} if symbols else {}),
         )
     except RuntimeError as e:  # SentencePiece reports bad settings as RuntimeError("INTERNAL: <file>(<line>) ...")
-        text = " ".join(str(e).split())
+        text = error_text(e, limit=1000)
         # hard_vocab_limit=False allows fewer pieces than asked, never fewer than the characters to keep.
         need = re.search(r"smaller than required_chars\. \d+ vs (\d+)", text)
         if need:
