@@ -3,7 +3,8 @@ across processes, padding counts, and `collate`, which turns id sequences into m
 
 A batch is a list of example indices whose padded size, sentences x longest, stays within a token budget on each
 side. Training sorts a whole epoch by length (seeded tie-breaking) and shuffles the batch order; translation sorts
-its input longest first. Both cut the sorted order with `token_budget_batches`.
+its input longest first (`translation_batches`, for mtcli translate and the server alike). Both cut the sorted order
+with `token_budget_batches`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def token_budget_batches(
     if start < len(order):
         batches.append(order[start:])
     return batches
+
+
+def translation_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int = 0) -> list[np.ndarray]:
+    """Model batches of sentences to translate, as positions into `lengths` (source subwords with EOS): longest
+    first, equal lengths in input order, cut by the token budget and the sentence cap."""
+    order = np.argsort(-np.asarray(lengths), kind="stable")
+    return token_budget_batches(order, np.asarray(lengths), None, max_tokens, max_sentences)
 
 
 def epoch_batches(

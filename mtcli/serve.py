@@ -43,7 +43,7 @@ from mtcli.serve_requests import (
     typed,
 )
 from mtcli.serve_worker import Dropped, QueueFull, ServerCounters, Worker
-from mtcli.tokenizer import CJK_LANGS
+from mtcli.tokenizer import word_separator
 from mtcli.translate import combine_nbest, split_long
 
 try:
@@ -120,7 +120,7 @@ class Server:
         return [{"code": self.src, "name": LANGUAGE_NAMES.get(self.src, self.src), "targets": [self.tgt]}]
 
     async def health(self) -> dict:
-        t = self.translator
+        t, busy = self.translator, self.worker.status()
         return {
             "status": "ok",
             "model": {
@@ -130,7 +130,9 @@ class Server:
                 "ensemble": len(t.ensemble) + 1,
                 "precision": t.precision,
             },
-            "queue": {"sentences": self.worker.queued, "limit": self.limits.queue_size},
+            # what is busy: a 503 with an empty queue means the batch in progress holds the model
+            "queue": {**busy["queue"], "limit": self.limits.queue_size},
+            "batch": busy["batch"],
             "api_key_required": bool(self.limits.api_keys),
         }
 
@@ -224,7 +226,7 @@ class Server:
         pieces = [piece for parts in cut for piece in parts]
         self.check_count(len(pieces), "sentences and pieces of long ones")
         hyps = iter(await self.run(request, pieces, lengths, decode) if pieces else [])
-        sep = "" if self.tgt.lower() in CJK_LANGS else " "
+        sep = word_separator(self.tgt)
         whole = iter([combine_nbest([next(hyps) for _ in parts], sep.join) for parts in cut])
         results = []
         for s, texts in zip(segments, mark_texts):

@@ -119,12 +119,15 @@ def listed(names: list[str], limit: int = 10) -> str:
 
 
 def json_type(value) -> str:
+    if isinstance(value, float) and not math.isfinite(value):  # JSON's NaN and Infinity (1e999 too) parse to these
+        return "NaN" if math.isnan(value) else f"{'-' if value < 0 else ''}Infinity"
     names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
     return names.get(type(value), "null")
 
 
 def typed(name: str, value, kind: type):
-    """`value` if it has the JSON type `kind` (int: not a boolean; float: any finite number), else a 400."""
+    """`value` if it has the JSON type `kind` (int: not a boolean; float: any finite number), else a 400 that says
+    what was sent (NaN and Infinity by name)."""
     if kind is bool:
         ok = isinstance(value, bool)
     elif kind is int:
@@ -132,10 +135,14 @@ def typed(name: str, value, kind: type):
     elif kind is str:
         ok = isinstance(value, str)
     else:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < float("inf")
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok and not math.isfinite(value):
+            raise HTTPError(400, f"{name}: must be a finite number, got {json_type(value)}")
     if not ok:
         expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-        raise HTTPError(400, f"{name}: expected {expected}, got {json_type(value)}")
+        # a number is named as sent: "expected an integer, got a number" would say nothing for 2.5
+        got = shown(repr(value)) if isinstance(value, float) and math.isfinite(value) else json_type(value)
+        raise HTTPError(400, f"{name}: expected {expected}, got {got}")
     return value
 
 

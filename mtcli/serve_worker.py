@@ -13,10 +13,13 @@ once, and without this wait concurrent clients split into groups that take turns
 clients, beam 5: 35 sentences a batch, against 60 with it). Requests whose body is still arriving do not count, so
 a slow uploader does not hold up everyone's batches. A lone client waits for nothing but the gap.
 
-The sentences of a batch with the same decode settings are translated as one list by Translator.translate_nbest,
-which sorts them by length and cuts token-budget batches; each request gets its own sentences back, in order. When
-that fails, each request's part is translated alone, so a sentence that breaks the model fails only its own
-request. A request whose client gave up (timeout, disconnect) or whose part failed leaves the queue at once.
+The sentences of a batch with the same decode settings are cut into the model batches Translator.translate_nbest
+would cut them into (longest first, decode.batch_tokens and decode.batch_sentences), and the worker translates
+those one at a time; each request gets its own sentences back, in order. When one fails, each request's part of it
+is translated alone, so a sentence that breaks the model fails only its own request. A request whose client gave
+up (timeout, disconnect) or whose part failed leaves the queue at once, and its sentences in model batches not yet
+begun are skipped: work nobody waits for must not hold up the next requests. A model batch that has begun runs to
+its end (the search has no way to stop midway).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from mtcli.batching import translation_batches
 from mtcli.config import DecodeConfig
 from mtcli.log import logger
 
@@ -59,8 +65,12 @@ class Job:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     taken: int = 0  # sentences handed to batches so far; the rest wait in the queue
-    results: list = field(default_factory=list)  # the n-best lists of the sentences translated so far, in order
+    results: list = field(init=False)  # each sentence's n-best list (None until translated)
+    translated: int = 0  # sentences with results (changed by the worker thread only)
     cancelled: bool = False  # its client is gone or a part failed: nothing more of it is translated
+
+    def __post_init__(self):
+        self.results = [None] * len(self.sentences)
 
     def finish(self, result=None, error: BaseException | None = None) -> None:
         try:
@@ -88,6 +98,7 @@ class ServerCounters:
         self.open = 0  # requests in the application now: being read, queued, translated or answered
         self.receiving = 0  # of those, requests whose body is still arriving (changed on the event loop only)
         self.sentences = self.batches = 0
+        self.skipped = 0  # sentences not translated: their request was answered (timeout, disconnect) or failed
         self.model_seconds = 0.0
 
     def arrived(self) -> None:
@@ -117,6 +128,10 @@ class ServerCounters:
             self.batches += 1
             self.model_seconds += seconds
 
+    def skip(self, sentences: int) -> None:
+        with self.lock:
+            self.skipped += sentences
+
     def render(self, queued: int, queue_size: int) -> str:
         """The Prometheus text exposition format (version 0.0.4)."""
         with self.lock:
@@ -134,7 +149,8 @@ class ServerCounters:
                 lines.append(f'mtcli_request_seconds_count{{route="{route}"}} {int(hist[-2])}')
             for name, kind, value, help_text in (
                 ("mtcli_sentences_total", "counter", self.sentences, "Sentences translated."),
-                ("mtcli_batches_total", "counter", self.batches, "Batches the model worker translated."),
+                ("mtcli_batches_total", "counter", self.batches, "Model batches the worker translated."),
+                ("mtcli_skipped_sentences_total", "counter", self.skipped, "Sentences skipped: nobody waited."),
                 ("mtcli_model_seconds_total", "counter", round(self.model_seconds, 6), "Time spent translating."),
                 ("mtcli_queue_sentences", "gauge", queued, "Sentences waiting for the model."),
                 ("mtcli_queue_limit_sentences", "gauge", queue_size, "The queue's bound (--queue-size)."),
@@ -155,6 +171,10 @@ class Worker:
         self.stopping = False
         self.rate = 0.0  # sentences per second of recent batches (a moving average), for Retry-After
         self.dropping = False  # set by a second stop signal: queued requests are answered Dropped
+        # the batch in progress, for /health: its parts, when it began, its sentences translated and skipped so far
+        self.running: list[tuple[Job, int, int]] = []
+        self.running_since = 0.0
+        self.running_translated = self.running_skipped = 0
 
     def stop(self) -> None:
         """run() returns once what is queued now is translated."""
@@ -165,6 +185,23 @@ class Worker:
     def retry_after(self) -> int:
         """Seconds until the queue has likely drained, at the recent rate: 1 to 60."""
         return int(min(60, max(1, math.ceil(self.queued / self.rate) if self.rate else 1)))
+
+    def status(self) -> dict:
+        """What is busy, for /health: the queue, and the batch in progress (None when idle)."""
+        with self.lock:
+            queue = {"sentences": self.queued, "requests": len(self.waiting)}
+            if not self.running:
+                return {"queue": queue, "batch": None}
+            jobs = {job for job, _, _ in self.running}
+            batch = {
+                "requests": len(jobs),
+                "cancelled": sum(job.cancelled for job in jobs),  # answered already: the rest of them is skipped
+                "sentences": sum(end - start for _, start, end in self.running),
+                "translated": self.running_translated,
+                "skipped": self.running_skipped,
+                "seconds": round(time.monotonic() - self.running_since, 3),
+            }
+        return {"queue": queue, "batch": batch}
 
     def submit(
         self, sentences: list[str], lengths: list[int], decode: DecodeConfig, loop: asyncio.AbstractEventLoop
@@ -256,41 +293,79 @@ class Worker:
         return batch
 
     def _translate(self, batch: list[tuple[Job, int, int]]) -> None:
-        groups: dict[DecodeConfig, list[tuple[Job, int, int]]] = {}
-        for part in batch:
-            if not part[0].cancelled:
-                groups.setdefault(part[0].decode, []).append(part)
-        for decode, parts in groups.items():
-            try:
-                self._translate_parts(parts, decode)
-                continue
-            except Exception:  # noqa: BLE001 - below, each request alone: the failure is its own or a bug for all
-                if len(parts) == 1:
-                    self._fail(parts[0][0])
-                    continue
-                logger.warning(f"a batch of {len(parts)} requests failed; translating each alone")
-            for part in parts:  # one bad sentence must not fail the requests batched with it
-                try:
-                    self._translate_parts([part], decode)
-                except Exception:  # noqa: BLE001 - answered 500, logged; the others go on
-                    self._fail(part[0])
+        """Each decode group's model batches in turn; before each, the sentences of requests given up are dropped."""
+        with self.lock:
+            self.running, self.running_since = batch, time.monotonic()
+            self.running_translated = self.running_skipped = 0
+        groups: dict[DecodeConfig, list[tuple[Job, int]]] = {}
+        for job, start, end in batch:
+            groups.setdefault(job.decode, []).extend((job, i) for i in range(start, end))
+        try:
+            for decode, items in groups.items():
+                for chunk in model_batches(items, decode):
+                    # read without the lock: a request given up meanwhile costs at most this model batch
+                    live = [(job, i) for job, i in chunk if not job.cancelled]
+                    self._skipped(len(chunk) - len(live))
+                    if live:
+                        self._translate_chunk(live, decode)
+        finally:
+            with self.lock:
+                self.running = []
 
-    def _translate_parts(self, parts: list[tuple[Job, int, int]], decode: DecodeConfig) -> None:
-        sentences = [s for job, start, end in parts for s in job.sentences[start:end]]
+    def _translate_chunk(self, items: list[tuple[Job, int]], decode: DecodeConfig) -> None:
+        try:
+            self._translate_items(items, decode)
+            return
+        except Exception:  # noqa: BLE001 - below, each request alone: the failure is its own or a bug for all
+            jobs = list(dict.fromkeys(job for job, _ in items))
+            if len(jobs) == 1:
+                self._fail(jobs[0])
+                return
+            logger.warning(f"a batch of {len(jobs)} requests failed; translating each alone")
+        for job in jobs:  # one bad sentence must not fail the requests batched with it
+            mine = [(j, i) for j, i in items if j is job]
+            if job.cancelled:
+                self._skipped(len(mine))
+                continue
+            try:
+                self._translate_items(mine, decode)
+            except Exception:  # noqa: BLE001 - answered 500, logged; the others go on
+                self._fail(job)
+
+    def _translate_items(self, items: list[tuple[Job, int]], decode: DecodeConfig) -> None:
+        sentences = [job.sentences[i] for job, i in items]
         start_time = time.perf_counter()
         hyps = self.translator.translate_nbest(sentences, decode)  # long sentences were cut before they were queued
         seconds = time.perf_counter() - start_time
         self.metrics.batch(len(sentences), seconds)
         rate = len(sentences) / max(seconds, 1e-6)
         self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
-        results = iter(hyps)
-        for job, start, end in parts:
-            job.results += [next(results) for _ in range(start, end)]
-            if len(job.results) == len(job.sentences):
+        with self.lock:
+            self.running_translated += len(sentences)
+        for (job, i), h in zip(items, hyps):
+            job.results[i] = h
+            job.translated += 1
+            if job.translated == len(job.sentences):
                 job.finish(job.results)
+
+    def _skipped(self, count: int) -> None:
+        if count:
+            self.metrics.skip(count)
+            with self.lock:
+                self.running_skipped += count
 
     def _fail(self, job: Job) -> None:
         """Called in an except block: the traceback goes to the log, the request gets a bare error."""
         logger.exception(f"translation failed for a request of {len(job.sentences)} sentences")
         self.withdraw(job)
         job.finish(error=TranslationFailed())
+
+
+def model_batches(items: list[tuple[Job, int]], decode: DecodeConfig) -> list[list[tuple[Job, int]]]:
+    """(job, sentence index) items cut as Translator.translate_nbest cuts one list of them (batching's
+    translation_batches, on the lengths the server measured as translate does: source subwords with EOS). Each batch
+    keeps the items' own order; translate_nbest sorts it back the same way, so a batch translated alone is the model
+    batch it would have been in one call for all."""
+    lengths = np.array([job.lengths[i] for job, i in items], dtype=np.int64)
+    batches = translation_batches(lengths, decode.batch_tokens, decode.batch_sentences)
+    return [[items[k] for k in sorted(batch.tolist())] for batch in batches]

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtcli.batching import collate, token_budget_batches
+from mtcli.batching import collate, translation_batches
 from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
 from mtcli.config_loader import replaced, with_overrides
@@ -158,12 +158,12 @@ class Translator:
             )
             ids = [x[: self.max_src_tokens] for x in ids]
         results: list[list[Translation]] = [[Translation("", 0.0, 0.0, [])] if not line else [] for line in lines]
-        todo = [i for i, line in enumerate(lines) if line]
-        lengths = np.array([len(x) + 1 for x in ids])  # with EOS
-        order = np.array(sorted(todo, key=lambda i: -lengths[i]), dtype=np.int64)  # longest first, stable
+        todo = np.array([i for i, line in enumerate(lines) if line], dtype=np.int64)
+        lengths = np.array([len(ids[i]) + 1 for i in todo], dtype=np.int64)  # with EOS
         bar = progress_bar(len(lines), unit="line", enabled=bool(progress))
         bar.update(len(lines) - len(todo))
-        for batch in token_budget_batches(order, lengths, None, decode.batch_tokens, decode.batch_sentences):
+        for batch in translation_batches(lengths, decode.batch_tokens, decode.batch_sentences):
+            batch = todo[batch]
             for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode)):
                 results[i] = hyps
             bar.update(len(batch))

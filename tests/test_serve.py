@@ -372,6 +372,62 @@ def rss_mb(pid: int) -> float:
     return int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) / 1024
 
 
+def metric(srv: Server, name: str) -> int:
+    return int(re.search(rf"^{name} (\d+)$", srv.request("GET", "/metrics")[2], re.M)[1])
+
+
+@pytest.mark.slow
+def test_requests_that_time_out_are_not_translated_and_the_next_is_answered(server, toy_run):
+    """Issue 59: after a burst of requests answered 503 by --timeout, the worker went on translating them and the
+    next requests got 503 too, while /health showed an empty queue. Now the rest of the burst is skipped: a small
+    request sent just after is answered, at most the model batch in progress is translated after the answers, and
+    /health names the batch that keeps the model busy. Times are scaled to this machine's speed: one sentence's
+    time, measured on the module's server, sets --timeout (20 of them, 3 to 15 s); the burst is 1,024 of them."""
+    server.post("/translate", {"q": "I love apples", **LIBRE})  # warm
+    one = 0.0
+    for _ in range(3):
+        start = time.monotonic()
+        assert server.post("/translate", {"q": "I love apples", **LIBRE})[0] == 200
+        one = max(one, time.monotonic() - start)
+    timeout = min(max(20 * one, 3.0), 15.0)
+    # one sentence a model batch: the worker can skip what is left after any sentence
+    srv = Server(toy_run, "--timeout", f"{timeout:.2f}", "--set", "decode.batch_sentences=1")
+    try:
+        for _ in range(5):  # the first translations warm the model up, which may take more than --timeout
+            if srv.post("/translate", {"q": "I love apples", **LIBRE})[0] == 200:
+                break
+        answers: list = []
+        texts = (SENTENCES * 2)[:64]
+        thread = threading.Thread(target=lambda: answers.extend(burst(srv, 16, lambda i: {"q": texts, **LIBRE})))
+        thread.start()
+        deadline, batch = time.monotonic() + timeout, None
+        while (batch is None or batch["sentences"] < 64) and time.monotonic() < deadline:  # the burst's, not one
+            time.sleep(0.01)
+            batch = srv.request("GET", "/health")[2]["batch"]
+        assert batch is not None and batch["sentences"] >= 64 and batch["requests"] >= 1 and batch["seconds"] >= 0
+        thread.join(timeout=3 * timeout + 30)
+        assert [a[0] if isinstance(a, tuple) else a for a in answers] == [503] * 16, answers[:1]
+        assert all("--timeout" in body["error"] for _, _, body in answers)
+        translated = metric(srv, "mtcli_sentences_total")
+
+        assert srv.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
+        deadline, health = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            health = srv.request("GET", "/health")[2]
+            if health["batch"] is None:
+                break
+            time.sleep(0.01)
+        assert health["batch"] is None and health["queue"]["sentences"] == health["queue"]["requests"] == 0
+        # after the answers: the sentence in progress then, and the new request's
+        assert metric(srv, "mtcli_sentences_total") - translated <= 2
+        assert metric(srv, "mtcli_skipped_sentences_total") > 0
+        assert srv.stop() == 0
+    finally:
+        if srv.proc.poll() is None:  # a failed check above: the server may be busy for minutes
+            srv.proc.kill()
+            srv.proc.wait()
+
+
 @pytest.mark.slow
 def test_overload_keys_and_sigterm_drain(toy_run, tmp_path):
     keys = tmp_path / "keys.txt"

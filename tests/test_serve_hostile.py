@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import math
 import random
 import re
 import signal
@@ -22,7 +23,7 @@ from test_serve import LIBRE, SENTENCES, assert_error
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.serve import serve
-from mtcli.serve_requests import ServeLimits
+from mtcli.serve_requests import NATIVE_OPTIONS, HTTPError, ServeLimits, decode_options
 from mtcli.serve_worker import Dropped, QueueFull, ServerCounters, TranslationFailed, Worker
 from mtcli.translate import Translation
 
@@ -215,6 +216,45 @@ def test_a_second_stop_signal_drops_what_is_queued_and_the_count_returns_to_zero
     with_worker(translator, scenario)
 
 
+def test_a_request_given_up_is_translated_no_further_and_status_says_what_is_busy():
+    """Issue 59: requests answered 503 by --timeout went on being translated, so the next ones timed out too while
+    /health showed an empty queue. The rest of a request given up while its batch runs is skipped (the model batch
+    in progress ends), the next request is answered, and status() names the batch in progress."""
+    hold = threading.Event()
+    translator = FakeTranslator(hold)
+    decode = DecodeConfig(batch_sentences=2)  # model batches of two sentences: the request below makes three
+    metrics = ServerCounters()
+    seen: dict = {}
+
+    async def scenario(worker: Worker, loop):
+        given_up = worker.submit([f"s{i}" for i in range(6)], [3] * 6, decode, loop)
+        while not translator.calls:
+            await asyncio.sleep(0.001)
+        seen["running"] = worker.status()
+        worker.withdraw(given_up)  # what the server does when the request's time is out
+        given_up.future.cancel()
+        seen["cancelled"] = worker.status()["batch"]["cancelled"]
+        after = worker.submit(["next"], [3], decode, loop)
+        hold.set()
+        assert [h[0].text for h in await asyncio.wait_for(after.future, 10)] == ["txen"]
+        for _ in range(1000):  # the worker notes the end of the batch just after it answers
+            if worker.status()["batch"] is None:
+                break
+            await asyncio.sleep(0.001)
+        seen["idle"] = worker.status()
+
+    with_worker(translator, scenario, metrics=metrics)
+    assert translator.calls == [["s0", "s1"], ["next"]]
+    running = seen["running"]
+    assert running["queue"] == {"sentences": 0, "requests": 0}  # all of it taken: only the batch says it is busy
+    batch = running["batch"]
+    assert (batch["requests"], batch["cancelled"], batch["sentences"], batch["translated"]) == (1, 0, 6, 0)
+    assert batch["skipped"] == 0 and 0 <= batch["seconds"] < 10
+    assert seen["cancelled"] == 1
+    assert seen["idle"] == {"queue": {"sentences": 0, "requests": 0}, "batch": None}
+    assert metrics.skipped == 4 and metrics.sentences == 3
+
+
 @pytest.mark.parametrize("receiving", [True, False])
 def test_requests_still_uploading_do_not_hold_up_a_batch(receiving):
     """Requests being cut or answered make the worker wait (up to max_wait) for them to join the batch; requests
@@ -259,6 +299,25 @@ def test_every_limit_must_be_finite_and_positive(field, flag, value):
     with pytest.raises(MtcliError) as error:
         ServeLimits(**{field: value, **({"queue_size": 10**6} if field == "max_sentences" else {})})
     assert str(error.value).startswith(f"{flag} must be") and "\n" not in str(error.value)
+
+
+FLOAT_OPTIONS = [name for name, kind in NATIVE_OPTIONS.items() if kind is float]
+INT_OPTIONS = [name for name, kind in NATIVE_OPTIONS.items() if kind is int]
+
+
+@pytest.mark.parametrize("name", FLOAT_OPTIONS + INT_OPTIONS)
+@pytest.mark.parametrize("value, named", [(math.nan, "NaN"), (math.inf, "Infinity"), (-math.inf, "-Infinity")])
+def test_a_decode_setting_that_is_no_finite_number_is_named_in_one_line(name, value, named):
+    """JSON's NaN and Infinity parse to floats: `lenpen: NaN` got "expected a number, got a number"."""
+    with pytest.raises(HTTPError) as error:
+        decode_options({name: value}, DecodeConfig(), ServeLimits(), 128)
+    expected = "must be a finite number" if name in FLOAT_OPTIONS else "expected an integer"
+    assert (error.value.status, error.value.message) == (400, f"{name}: {expected}, got {named}")
+
+
+def test_a_fraction_where_an_integer_is_expected_is_quoted():
+    with pytest.raises(HTTPError, match=r"^beam: expected an integer, got 2\.5$"):
+        decode_options({"beam": 2.5}, DecodeConfig(), ServeLimits(), 128)
 
 
 @pytest.mark.parametrize("port", [-1, 65536, 70000])
@@ -324,9 +383,9 @@ def test_client_input_gets_a_4xx_with_a_short_message_never_a_500(hostile):
         ("beam", 10**40, "limit of 8"),
     ):
         assert_client_error(native(**{name: value}), 422, word)
-    for raw in (b"NaN", b"Infinity", b"-Infinity", b"1e999"):
+    for raw, named in ((b"NaN", "NaN"), (b"Infinity", "Infinity"), (b"-Infinity", "-Infinity"), (b"1e999", "Infinity")):
         body = b'{"texts": ["Hi"], "lenpen": ' + raw + b"}"
-        assert_client_error(hostile.post("/v1/translate", body), 400, "lenpen: expected a number")
+        assert_client_error(hostile.post("/v1/translate", body), 400, f"lenpen: must be a finite number, got {named}")
     # values quoted in messages are cut short, lists of names too
     assert_client_error(libre(source="e" * 100_000), 400, "is not supported")
     assert_client_error(libre(format="x" * 100_000), 400, "format is not supported")
