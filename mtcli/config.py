@@ -371,7 +371,8 @@ class DistillConfig:
     distilled_weight: float = 1.0  # data.train_corpora weight of the distilled corpus
     original_weight: float = 1.0  # ... of the student's own training data (0: distilled data only)
     mono_weight: float = 1.0  # ... of distilled monolingual source text (`mtcli distill --mono FILE`)
-    max_ratio: float = 3.0  # drop distilled pairs whose longer side has more than this many times the subwords; 0: off
+    max_ratio: float | None = None  # drop distilled pairs whose longer side is this many times the shorter; 0: off;
+    # null: the data's own data.max_ratio (a pair the data would keep is not dropped as distilled)
     drop_worst: float = 0.0  # drop this share of distilled pairs, those with the lowest teacher score per subword
     chunk_lines: int = 2000  # lines per resumable chunk of the synthesis
     average_last: int = 5  # average the student's last N checkpoints, kept if better on valid; 0: no averaging
@@ -385,7 +386,8 @@ class DistillConfig:
         for key in ("distilled_weight", "original_weight", "mono_weight"):
             _check(0 <= getattr(self, key) <= 100, f"distill.{key}", "must be between 0 and 100")
         _check(self.distilled_weight > 0, "distill.distilled_weight", "must be positive: it is what distillation adds")
-        _check(self.max_ratio == 0 or self.max_ratio >= 1, "distill.max_ratio", "must be 0 (off) or at least 1")
+        ratio_ok = self.max_ratio is None or self.max_ratio == 0 or self.max_ratio >= 1
+        _check(ratio_ok, "distill.max_ratio", "must be null (data.max_ratio), 0 (off) or at least 1")
         _check(0 <= self.drop_worst < 1, "distill.drop_worst", "must be at least 0 and under 1 (a share)")
         _check(1 <= self.chunk_lines <= 1_000_000, "distill.chunk_lines", "must be between 1 and 1,000,000")
         _check(self.average_last >= 0, "distill.average_last", "must be 0 (no averaging) or positive")

@@ -7,7 +7,7 @@
     average     the student's last distill.average_last checkpoints, kept only if better on valid
     score       teacher and student on distill.eval_split: BLEU and chrF with signatures, paired tests, sentences/s
     export      the student to CTranslate2 (distill.quantization), scored and timed there too
-    card        MODEL_CARD.md and model_card.json: every figure with the file it comes from
+    card        MODEL_CARD.md and model_card.json (mtcli/model_card.py): every figure with the file it comes from
 
 <run>/distill.json records each finished step and its wall time; a rerun skips what is done, so a killed distill
 goes on where it stopped (synthesis after its last chunk, training from its last checkpoint).
@@ -15,15 +15,14 @@ goes on where it stopped (synthesis after its last chunk, training from its last
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from mtcli.average import average_last
 from mtcli.checkpoint import (
@@ -34,27 +33,25 @@ from mtcli.checkpoint import (
     read_config,
     resolve_member,
 )
-from mtcli.compare import TESTS, paired_tests
 from mtcli.config import Config, TrainCorpusConfig
 from mtcli.config_loader import replaced
 from mtcli.corpus import split_names
 from mtcli.data import eval_texts
-from mtcli.device import cpu_name
 from mtcli.errors import MtcliError
 from mtcli.export import export_ctranslate2
-from mtcli.line_io import read_lines
 from mtcli.log import format_duration, logger
+from mtcli.model_card import CARD_JSON, write_card
 from mtcli.outputs import MANIFEST, read_manifest, write_file_atomic
 from mtcli.parity import ParityOptions
 from mtcli.rundir import RunLock
 from mtcli.scoring import ScoreOptions, score, score_files, write_lines
-from mtcli.synthetic import Filters, file_lines, is_url, open_teacher, split_lines, synthesize
+from mtcli.synthetic import HTTP_TIMEOUT, Filters, file_lines, is_url, open_teacher, split_lines, synthesize
 from mtcli.tokenizer import Tokenizer
 from mtcli.train import plain_run_name, train
 from mtcli.translate import Translator, load_translator
 
 STATE = "distill.json"
-METRICS = ("bleu", "chrf")
+METRICS = ("bleu", "chrf")  # the scores of the rows (model_card.py adds paired tests of the same)
 
 
 @dataclass
@@ -66,16 +63,26 @@ class Plan:
     run_dir: Path
     mono: Path | None
     device: str
+    timeout: float = HTTP_TIMEOUT  # seconds one request to an HTTP teacher may take
     lock: RunLock | None = None  # held while this command works in the run directory
 
 
-def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono: Path | None = None, device="auto"):
-    """Run every step not yet done (see the module's description); returns the model card's JSON, or None when
-    training was interrupted (the run then resumes with the same command)."""
+def distill(
+    cfg: Config,
+    teachers: list[str],
+    run_dir: Path | None = None,
+    mono: Path | None = None,
+    device="auto",
+    timeout: float = HTTP_TIMEOUT,
+):
+    """Run every step not yet done (see the module's description); returns the model card's JSON with `run_dir`
+    (absolute; the card itself holds no path of this machine), or None when training was interrupted (the run then
+    resumes with the same command)."""
     run_dir = Path(os.path.abspath(run_dir or Path("runs") / plain_run_name(cfg.name)))  # absolute: the corpora's paths
-    plan = Plan(cfg, [str(t) for t in teachers], run_dir, mono, device)
+    plan = Plan(cfg, [str(t) for t in teachers], run_dir, mono, device, timeout)
     check_inputs(plan)
     state = read_state(plan)
+    cfg = plan.cfg  # as the run was started (read_state)
     teacher = None
     if not done(state, "synthesize") or (mono and not done(state, "synthesize_mono")):
         teacher = teacher_for_synthesis(plan)  # its languages: checked by check_inputs (a run), by asking (a URL)
@@ -105,8 +112,9 @@ def distill(cfg: Config, teachers: list[str], run_dir: Path | None = None, mono:
     run_step(plan, state, "score", lambda: score_systems(plan, state))
     if cfg.distill.quantization != "none":
         run_step(plan, state, "export", lambda: export_student(plan, state))
-    run_step(plan, state, "card", lambda: write_card(plan, state))
-    return json.loads((plan.run_dir / "model_card.json").read_text(encoding="utf-8"))
+    run_step(plan, state, "card", lambda: write_card(plan.run_dir, plan.cfg, state))
+    card = json.loads((plan.run_dir / CARD_JSON).read_text(encoding="utf-8"))
+    return card | {"run_dir": str(plan.run_dir)}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -180,6 +188,11 @@ def read_state(plan: Plan) -> dict:
             f"--run-dir {run_dir}: was distilled from {', '.join(earlier['teachers'])} (--mono {earlier['mono']}); "
             "give the same teachers and --mono to continue it, or a new --run-dir"
         )
+    started_ratio = ((earlier.get("config") or {}).get("distill") or {}).get("max_ratio")
+    if plan.cfg.distill.max_ratio is None and started_ratio is not None:
+        # a run started when distill.max_ratio had a number of its own (3.0 by default) goes on with it
+        plan.cfg = replaced(plan.cfg, **{"distill.max_ratio": started_ratio})
+        given["config"] = plan.cfg.to_dict()
     changed = first_difference(earlier.get("config"), given["config"])
     if changed:
         raise MtcliError(
@@ -245,12 +258,15 @@ def teacher_for_synthesis(plan: Plan):
     d = plan.cfg.distill
     langs = (plan.cfg.data.src_lang, plan.cfg.data.tgt_lang)
     if is_url(plan.teachers[0]):
-        return open_teacher(plan.teachers, langs)
+        return open_teacher(plan.teachers, langs, timeout=plan.timeout)
     return open_teacher(plan.teachers, (None, None), [], plan.device, beam=d.beam, lenpen=d.lenpen, sampling=False)
 
 
 def synthesis_filters(cfg: Config) -> Filters:
-    return Filters(max_ratio=cfg.distill.max_ratio, drop_worst=cfg.distill.drop_worst)
+    """distill.max_ratio unset: the data's own ratio (the toy's templates, or Chinese against English, differ in length
+    by design, and their configs say so in data.max_ratio)."""
+    max_ratio = cfg.data.max_ratio if cfg.distill.max_ratio is None else cfg.distill.max_ratio
+    return Filters(max_ratio=max_ratio, drop_worst=cfg.distill.drop_worst)
 
 
 def corpus_dir(plan: Plan, name: str) -> Path:
@@ -286,14 +302,19 @@ def choose_student(plan: Plan, student_cfg: Config) -> dict:
     if best is None:
         raise MtcliError(f"{plan.run_dir}: the student's training left no checkpoint")
     n = plan.cfg.distill.average_last
-    if n < 2 or len(list_checkpoints(plan.run_dir)) < n:
-        return {"checkpoint": str(best), "why": "the best on valid (no averaging)"}
-    averaged = average_last(plan.run_dir, n, checkpoint_dir(plan.run_dir) / f"average_last{n}", force=True)
-    sources, refs = eval_texts(student_cfg, "valid")
-    scores = {}
-    for ckpt in (best, averaged):
+
+    def valid_bleu(ckpt: Path) -> float:
+        sources, refs = eval_texts(student_cfg, "valid")
         translator = Translator.from_checkpoint(ckpt, plan.device)
-        scores[str(ckpt)] = score(translator.translate(sources, beam=1), refs, student_cfg.data.tgt_lang)["bleu"]
+        return score(translator.translate(sources, beam=1), refs, student_cfg.data.tgt_lang)["bleu"]
+
+    if n < 2 or len(list_checkpoints(plan.run_dir)) < n:
+        record = {"checkpoint": str(best), "why": "the best on valid (no averaging)"}
+        with contextlib.suppress(MtcliError):  # measured all the same for the card, where there is a valid split
+            record["valid_bleu"] = {str(best): valid_bleu(best)}
+        return record
+    averaged = average_last(plan.run_dir, n, checkpoint_dir(plan.run_dir) / f"average_last{n}", force=True)
+    scores = {str(ckpt): valid_bleu(ckpt) for ckpt in (best, averaged)}
     chosen = str(averaged) if scores[str(averaged)] > scores[str(best)] else str(best)
     logger.info(f"distill: valid BLEU (greedy) {', '.join(f'{k}: {v:.2f}' for k, v in scores.items())}; {chosen}")
     return {"checkpoint": chosen, "why": "the higher valid BLEU (greedy)", "valid_bleu": scores}
@@ -323,8 +344,14 @@ def score_systems(plan: Plan, state: dict) -> dict:
     write_lines(ref_path, refs)
     rows = []
     if is_url(plan.teachers[0]):
-        http = open_teacher(plan.teachers, (cfg.data.src_lang, tgt))
-        systems = [("teacher", plan.teachers[0], lambda lines: [o.text for o in http.translate(lines, 0)], {})]
+        http = open_teacher(plan.teachers, (cfg.data.src_lang, tgt), timeout=plan.timeout)
+
+        def translate(lines: list[str]) -> list[str]:
+            return [o.text for o in http.translate(lines, 0)]
+
+        # the server's search, precision and machine are its own: unknown here
+        settings = {"engine": "LibreTranslate API", "beam": None, "lenpen": None, "precision": None, "device": None}
+        systems = [("teacher", plan.teachers[0], translate, settings | {"threads": None})]
     else:
         teacher_ckpt = resolve_member(plan.teachers[0])
         tr, decode = load_translator(teacher_ckpt, read_config(teacher_ckpt), [], plan.device, plan.teachers[1:])
@@ -432,130 +459,14 @@ def export_student(plan: Plan, state: dict) -> dict:
         "hypotheses": str(path),
         **_scores(hyps, refs, tgt, ref_path, path),
     }
+    failures = _parity_failures(folder)
+    if failures:  # kept (the card says so), where `mtcli export` would refuse it
+        logger.warning(f"distill: the export failed its parity check ({'; '.join(failures)}); see {folder}/parity.json")
     return {"folder": str(folder), "bytes": size, "row": row}
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# The model card
-
-
-def _parameters(checkpoints: list[Path]) -> tuple[int, int]:
-    """Parameters and bytes of the checkpoints' weights files (an ensemble: all its members)."""
-    count = size = 0
-    for checkpoint in checkpoints:
-        path = Path(checkpoint) / "model.safetensors"
-        with safe_open(str(path), "pt") as f:
-            count += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-        size += path.stat().st_size
-    return count, size
-
-
-def write_card(plan: Plan, state: dict) -> None:
-    steps = state["steps"]
-    score = steps["score"]
-    rows = list(score["systems"]) + ([steps["export"]["row"]] if "export" in steps else [])
-    systems = [dict(row) for row in rows]  # copies: the paired tests below belong to the card, not to distill.json
-    teacher_row, student_rows = systems[0], systems[1:]
-    # paired tests of every student row against the teacher, on the hypothesis files the rows name
-    refs = read_lines(Path(score["references"]))
-    hypotheses = [(row["system"], read_lines(Path(row["hypotheses"]))) for row in systems]
-    tests, signatures = paired_tests(hypotheses, [refs], plan.cfg.data.tgt_lang, ScoreOptions(METRICS))
-    for i, row in enumerate(systems):
-        row["paired"] = {m: {k: tests[m][i].get(k) for k in ("delta", "p_bs", "p_ar")} for m in METRICS} if i else None
-    card = {
-        "name": plan.cfg.name,
-        "run_dir": str(plan.run_dir),
-        "languages": {"source": plan.cfg.data.src_lang, "target": plan.cfg.data.tgt_lang},
-        "teacher": {"models": state["inputs"]["teachers"]},
-        "student": {"checkpoint": steps["average"]["checkpoint"], "chosen": steps["average"]["why"]},
-        "machine": {
-            "cpu": cpu_name(),
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        },
-        "eval": {"split": score["split"], "sentences": score["sentences"], "references": score["references"]},
-        "systems": systems,
-        "tests": TESTS,
-        "test_signatures": signatures,
-        "data": {name: _corpus_summary(plan, name) for name in ("train", "mono") if corpus_dir(plan, name).is_dir()},
-        "steps": {name: record["seconds"] for name, record in steps.items()},
-    }
-    if not is_url(teacher_row["model"]):
-        card["teacher"]["parameters"], card["teacher"]["bytes"] = _parameters(teacher_row["members"])
-    card["student"]["parameters"], card["student"]["bytes"] = _parameters([steps["average"]["checkpoint"]])
-    if "export" in steps:
-        card["student"]["export"] = {"folder": steps["export"]["folder"], "bytes": steps["export"]["bytes"]}
-    card["summary"] = [_compared(teacher_row, row) for row in student_rows]
-    text = json.dumps(card, indent=1, ensure_ascii=False) + "\n"
-    write_file_atomic(plan.run_dir / "model_card.json", text)
-    write_file_atomic(plan.run_dir / "MODEL_CARD.md", card_markdown(card))
-    logger.info(f"distill: model card {plan.run_dir / 'MODEL_CARD.md'}")
-    for line in card["summary"]:
-        logger.info(f"  {line}")
-
-
-def _corpus_summary(plan: Plan, name: str) -> dict:
-    report = json.loads((corpus_dir(plan, name) / "synthesis.json").read_text(encoding="utf-8"))
-    keys = ("input", "lines", "kept", "dropped", "mean_score", "sentences_per_second", "teacher")
-    return {k: report.get(k) for k in keys} | {"folder": str(corpus_dir(plan, name))}
-
-
-def _compared(teacher: dict, row: dict) -> str:
-    ratio = row["sentences_per_second"] / teacher["sentences_per_second"]
-    return (
-        f"{row['system']}: BLEU {row['bleu']:.2f} ({row['bleu'] - teacher['bleu']:+.2f} against the teacher's "
-        f"{teacher['bleu']:.2f}), {row['sentences_per_second']:,.1f} sentences/s ({ratio:.1f}x the teacher's)"
-    )
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB"
-
-
-def card_markdown(card: dict) -> str:
-    lines = [f"# {card['name']}: a distilled {card['languages']['source']}->{card['languages']['target']} model", ""]
-    teacher, student = card["teacher"], card["student"]
-    lines.append(
-        f"- Teacher: {', '.join(teacher['models'])}"
-        + (f" ({teacher['parameters']:,} parameters, {_size(teacher['bytes'])})" if "parameters" in teacher else "")
-    )
-    lines.append(
-        f"- Student: {student['checkpoint']} ({student['parameters']:,} parameters, "
-        f"{_size(student['bytes'])} in float32; chosen as {student['chosen']})"
-    )
-    if "export" in student:
-        lines.append(f"- Export: {student['export']['folder']} ({_size(student['export']['bytes'])})")
-    m = card["machine"]
-    lines.append(f"- Measured on: {m['cuda'] or m['cpu']}, {m['threads']} threads, torch {m['torch']}")
-    e = card["eval"]
-    lines += ["", f"## Scores on {e['split']} ({e['sentences']:,} sentences; references {e['references']})", ""]
-    lines.append("| system | engine | beam | precision | BLEU | chrF | sentences/s | p (BLEU, bootstrap / AR) |")
-    lines.append("|---|---|---|---|---|---|---|---|")
-    for row in card["systems"]:
-        paired = row.get("paired")
-        p = f"{paired['bleu']['p_bs']:.4f} / {paired['bleu']['p_ar']:.4f}" if paired else "baseline"
-        lines.append(
-            f"| {row['system']} | {row['engine']} | {row['beam']} | {row['precision']} | {row['bleu']:.2f} | "
-            f"{row['chrf']:.2f} | {row['sentences_per_second']:,.1f} | {p} |"
-        )
-    lines += ["", *[f"- {s}" for s in card["summary"]], ""]
-    lines.append(
-        f"BLEU: `{card['systems'][0]['signatures']['bleu']}`; chrF: `{card['systems'][0]['signatures']['chrf']}`"
-    )
-    lines.append(
-        "Paired tests against the teacher (sacreBLEU): "
-        + "; ".join(f"`{sig}`" for sig in card["test_signatures"]["bleu"].values())
-    )
-    lines += ["", "Each score repeats with:", ""]
-    lines += [f"    {row['command']}" for row in card["systems"]]
-    lines += ["", "## Data", ""]
-    for name, d in card["data"].items():
-        dropped = ", ".join(f"{n:,} {k}" for k, n in d["dropped"].items() if n) or "none"
-        lines.append(
-            f"- {name}: {d['input']}: {d['lines']:,} lines translated by the teacher, {d['kept']:,} kept "
-            f"(dropped: {dropped}); mean teacher score per subword {d['mean_score']}; {d['folder']}"
-        )
-    lines += ["", "## Wall time of each step (of the call that finished it)", ""]
-    lines += [f"- {name}: {format_duration(seconds)}" for name, seconds in card["steps"].items()]
-    return "\n".join(lines) + "\n"
+def _parity_failures(folder: Path) -> list[str]:
+    try:
+        return list(json.loads((folder / "parity.json").read_text(encoding="utf-8"))["failures"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["no readable parity.json"]

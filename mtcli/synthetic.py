@@ -27,10 +27,10 @@ import math
 import os
 import random
 import shutil
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +43,7 @@ from mtcli.clean import clean_line
 from mtcli.config import Config
 from mtcli.corpus import fingerprint_hash, source_fingerprint, split_names
 from mtcli.data import open_sources
-from mtcli.errors import MtcliError
+from mtcli.errors import MtcliError, error_text
 from mtcli.line_io import check_utf8
 from mtcli.log import counted, format_duration, logger, progress_bar
 from mtcli.mixture import corpora_fingerprint
@@ -54,8 +54,21 @@ from mtcli.translate import load_translator
 COMMAND = "data synthesize"
 REPORT = "synthesis.json"
 FILTERS = ("empty", "copy", "ratio", "score")
+# a filter dropping more than this share is said so (a ratio of 3 dropped 901 of 4,000 perfect en->zh translations)
+DROP_WARNING_SHARE = 0.05
 HTTP_BATCH = 32  # lines per request to an HTTP teacher (LibreTranslate's clients send one text at a time)
 HTTP_PARALLEL = 4  # requests in flight, so a server that batches gets work to batch
+HTTP_TIMEOUT = 120.0  # seconds one request may take as a whole (connect, send, the server's work, the answer)
+HTTP_RETRIES = 5
+BACKOFF_MAX = 30.0  # seconds between tries: 0.5, 1, 2, 4, ... (x 1 to 1.25, jitter), at most this
+RETRY_AFTER_MAX = 60.0  # a server's Retry-After is honoured up to this
+# The size an answer may have, derived from its request: a /translate answer ANSWER_FLOOR plus, per text sent,
+# ANSWER_PER_LINE and ANSWER_PER_BYTE x its UTF-8 bytes; a /languages answer ANSWER_FLOOR. A teacher cannot make
+# synthesis hold more than that (a 1.5 GB answer read whole ended in a MemoryError).
+ANSWER_FLOOR = 1 << 20
+ANSWER_PER_LINE = 4096
+ANSWER_PER_BYTE = 24
+ERROR_BYTES = 1 << 16  # of an error answer: only its start is shown
 
 
 @dataclass(frozen=True)
@@ -116,11 +129,24 @@ class ModelTeacher:
 
 class HttpTeacher:
     """A server speaking LibreTranslate's API (LibreTranslate itself, or `mtcli serve`): POST /translate with a list
-    of texts. Failures and timeouts are retried with exponential backoff; it gives no scores."""
+    of texts. Each request is bounded whole (`timeout` seconds, see fetch) and in size (answer_limit); failures and
+    timeouts are retried with exponential backoff; it gives no scores."""
 
     def __init__(self, url: str, src_lang: str, tgt_lang: str, api_key: str | None, retries: int, timeout: float):
         self.url, self.src_lang, self.tgt_lang = url.rstrip("/"), src_lang, tgt_lang
         self.api_key, self.retries, self.timeout = api_key, retries, timeout
+        address = urllib.parse.urlsplit(self.url)
+        try:
+            port = address.port
+        except ValueError:  # a port that is not a number
+            port = -1
+        if address.scheme not in ("http", "https") or not address.hostname or port == -1:
+            raise MtcliError(f"--teacher {url}: not an http(s) address such as http://127.0.0.1:5000")
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise MtcliError(f"--timeout {timeout}: give the seconds one request may take, more than 0")
+        if not 0 <= retries <= 100:
+            raise MtcliError(f"--retries {retries}: give 0 to 100")
+        self.address = address
         self.name = self.url
         self.retried = 0  # retries, for the report (requests run in threads: counted under a lock)
         self.lock = threading.Lock()
@@ -132,15 +158,19 @@ class HttpTeacher:
     def check_languages(self) -> None:
         """GET /languages: the server is reachable and translates src_lang -> tgt_lang. LibreTranslate before 1.3
         lists no `targets`: any of its languages is then taken to translate into any other."""
-        offered = self.request("/languages", None)
-        items = [item for item in offered if isinstance(item, dict)] if isinstance(offered, list) else []
-        codes = {item.get("code") for item in items}
-        if items and not any("targets" in item for item in items):
+        offered = self.request("/languages", None, ANSWER_FLOOR)
+        if not _is_language_list(offered):
+            raise MtcliError(
+                f"teacher {self.url}/languages: answered {_excerpt(offered)}, not a list of languages "
+                '([{"code": "en", "targets": ["de", ...]}, ...]); is this a LibreTranslate server?'
+            )
+        codes = {item["code"] for item in offered}
+        if offered and not any("targets" in item for item in offered):
             pairs = {(a, b) for a in codes for b in codes if a != b}
         else:
-            pairs = {(item.get("code"), t) for item in items for t in item.get("targets") or [] if isinstance(t, str)}
+            pairs = {(item["code"], t) for item in offered for t in item.get("targets", [])}
         if (self.src_lang, self.tgt_lang) not in pairs:
-            shown = ", ".join(f"{s}->{t}" for s, t in sorted(pairs, key=str)[:20]) or "nothing"
+            shown = ", ".join(f"{s}->{t}" for s, t in sorted(pairs)[:20]) or "nothing"
             raise MtcliError(
                 f"teacher {self.url}: does not translate {self.src_lang}->{self.tgt_lang} (it offers {shown})"
             )
@@ -149,7 +179,13 @@ class HttpTeacher:
         todo = [line for line in lines if line]  # an empty line is not sent: its output is empty
         batches = [todo[i : i + HTTP_BATCH] for i in range(0, len(todo), HTTP_BATCH)]
         with concurrent.futures.ThreadPoolExecutor(HTTP_PARALLEL) as pool:
-            answers = iter(t for answer in pool.map(self.translate_batch, batches) for t in answer)
+            futures = [pool.submit(self.translate_batch, batch) for batch in batches]
+            try:
+                answers = iter([t for future in futures for t in future.result()])
+            except BaseException:
+                for future in futures:  # the queued batches are not sent: the first failure ends the chunk
+                    future.cancel()
+                raise
         texts = [next(answers) if line else "" for line in lines]
         return [TeacherOutput(t, float("nan"), len(s), len(t)) for s, t in zip(lines, texts)]
 
@@ -157,55 +193,195 @@ class HttpTeacher:
         payload = {"q": lines, "source": self.src_lang, "target": self.tgt_lang, "format": "text"}
         if self.api_key:
             payload["api_key"] = self.api_key
-        answer = self.request("/translate", payload)
+        answer = self.request("/translate", payload, answer_limit(lines))
         texts = answer.get("translatedText") if isinstance(answer, dict) else None
         if not isinstance(texts, list) or len(texts) != len(lines) or not all(isinstance(t, str) for t in texts):
-            raise MtcliError(f"teacher {self.url}: /translate answered {str(answer)[:200]}, not one text per line")
+            raise MtcliError(
+                f"teacher {self.url}/translate: answered {_excerpt(answer)}, not one text per line (translatedText)"
+            )
+        for line, text in zip(lines, texts):
+            if not _is_unicode(text):  # JSON can carry half a surrogate pair; no file can hold it
+                raise MtcliError(
+                    f"teacher {self.url}/translate: its translation of {line[:60]!r} is not Unicode text (it holds "
+                    "a lone surrogate); fix the server"
+                )
         return [clean_line(t) for t in texts]
 
-    def request(self, route: str, payload: dict | None):
-        """The JSON answer of GET (payload None) or POST `route`; connection failures, timeouts, 429 and 5xx are
-        retried `retries` times with exponential backoff (Retry-After honoured); a 4xx ends with the server's word."""
+    def request(self, route: str, payload: dict | None, limit: int):
+        """The JSON answer of GET (payload None) or POST `route`, at most `limit` bytes; connection failures,
+        timeouts, 429 and 5xx are retried `retries` times with exponential backoff (Retry-After honoured); a 4xx ends
+        with the server's word."""
         url = self.url + route
-        data = None if payload is None else json.dumps(payload).encode()
-        headers = {"Content-Type": "application/json"} if data else {}
+        body = None if payload is None else json.dumps(payload).encode()
         for attempt in range(self.retries + 1):
-            wait = min(0.5 * 2**attempt, 30.0) * random.uniform(1.0, 1.25)  # jitter: parallel requests spread out
+            wait = min(0.5 * 2**attempt, BACKOFF_MAX) * random.uniform(1.0, 1.25)  # jitter: parallel requests spread
             try:
-                request = urllib.request.Request(url, data, headers, method="GET" if data is None else "POST")
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read())
-            except urllib.error.HTTPError as e:
-                if e.code != 429 and e.code < 500:
-                    raise MtcliError(f"teacher {url}: HTTP {e.code}: {_error_text(e)}") from None
-                problem = f"HTTP {e.code}"
-                wait = max(wait, _retry_after(e))
-            except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, bad status lines
-                problem = str(getattr(e, "reason", e)) or type(e).__name__
-            except ValueError:
-                raise MtcliError(f"teacher {url}: the answer is not JSON; is this a LibreTranslate server?") from None
+                status, headers, data = self.fetch(route, body, limit)
+            except AnswerTooLarge:
+                raise MtcliError(
+                    f"teacher {url}: the answer is larger than {limit:,} bytes (the most {describe_limit(payload)}); "
+                    "is this a LibreTranslate server?"
+                ) from None
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out, a bad status line
+                problem = error_text(e)
+            else:
+                if status < 300:
+                    return _parsed(url, data)
+                if 300 <= status < 400:
+                    moved = headers.get("Location", "another address")
+                    raise MtcliError(f"teacher {url}: HTTP {status}: moved to {moved}; give that address") from None
+                if status != 429 and status < 500:
+                    raise MtcliError(f"teacher {url}: HTTP {status}: {_error_text(data)}") from None
+                problem = f"HTTP {status}"
+                wait = max(wait, _retry_after(headers))
             if attempt == self.retries:
                 tries = "1 try" if self.retries == 0 else f"{self.retries + 1} tries"
-                raise MtcliError(f"teacher {url}: unreachable after {tries} ({problem}); check the address") from None
+                raise MtcliError(
+                    f"teacher {url}: unreachable after {tries} ({problem}); check the address (a slow server: raise "
+                    "--timeout)"
+                ) from None
             with self.lock:
                 self.retried += 1
             logger.warning(f"teacher {url}: {problem}; retrying in {wait:.1f} s")
             time.sleep(wait)
 
+    def fetch(self, route: str, body: bytes | None, limit: int) -> tuple[int, http.client.HTTPMessage, bytes]:
+        """One request: (status, headers, the answer's bytes, an error's cut at ERROR_BYTES). It takes at most
+        `timeout` seconds as a whole: a socket's timeout bounds each read, so a server sending a byte a second would
+        never time out; a timer shuts the socket down at the deadline instead, which ends any read in progress."""
+        a = self.address
+        connection_class = http.client.HTTPSConnection if a.scheme == "https" else http.client.HTTPConnection
+        connection = connection_class(a.hostname, a.port, timeout=self.timeout)
+        expired = threading.Event()
+        # the socket, held here: the connection lets go of it when an answer ends with the connection
+        sockets: list[socket.socket] = []
 
-def _error_text(e: urllib.error.HTTPError) -> str:
+        def expire():
+            expired.set()
+            for sock in sockets:  # none yet: still connecting (checked after connect)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(self.timeout, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            connection.connect()
+            sockets.append(connection.sock)
+            if expired.is_set():
+                raise TimeoutError
+            headers = {"Content-Type": "application/json"} if body is not None else {}
+            path = a.path + route + (f"?{a.query}" if a.query else "")
+            connection.request("GET" if body is None else "POST", path, body, headers)
+            response = connection.getresponse()
+            ok = response.status < 300
+            data = _read_capped(response, limit if ok else ERROR_BYTES, refuse=ok)
+            if expired.is_set():  # the shutdown reads as the end of the answer
+                raise TimeoutError
+            return response.status, response.headers, data
+        except (OSError, http.client.HTTPException):
+            if expired.is_set():
+                raise TimeoutError(f"no complete answer within {self.timeout:g} s") from None
+            raise
+        finally:
+            timer.cancel()
+            connection.close()
+
+
+class AnswerTooLarge(Exception):
+    """A teacher's answer past the size its request allows (answer_limit)."""
+
+
+def answer_limit(lines: list[str]) -> int:
+    """The most bytes a /translate answer to `lines` may have: room for translations several times longer than their
+    sources with every character escaped by JSON (a Chinese character as \\uXXXX: 6 bytes)."""
+    return ANSWER_FLOOR + sum(ANSWER_PER_LINE + ANSWER_PER_BYTE * len(line.encode("utf-8")) for line in lines)
+
+
+def describe_limit(payload: dict | None) -> str:
+    if payload is None:
+        return "a list of languages may have"
+    n = len(payload["q"])
+    return (
+        f"{counted(n, 'line')} may get: {ANSWER_FLOOR >> 20} MiB + {ANSWER_PER_LINE:,} bytes a line + "
+        f"{ANSWER_PER_BYTE} per byte sent"
+    )
+
+
+def _read_capped(response: http.client.HTTPResponse, limit: int, refuse: bool) -> bytes:
+    """The body, read as it arrives (never more than `limit` bytes and one piece in memory): past the limit,
+    AnswerTooLarge when `refuse`, else the first `limit` bytes (an error page, only shown in part)."""
+    declared = response.getheader("Content-Length", "")
+    if refuse and declared.isdigit() and int(declared) > limit:
+        raise AnswerTooLarge
+    data = bytearray()
+    while piece := response.read1(1 << 16):
+        data += piece
+        if len(data) > limit:
+            if refuse:
+                raise AnswerTooLarge
+            return bytes(data[:limit])
+    if response.length:  # the connection ended before the length it declared
+        raise http.client.IncompleteRead(bytes(data), response.length)
+    return bytes(data)
+
+
+def _parsed(url: str, data: bytes):
     try:
-        body = json.loads(e.read())
-        return " ".join(str(body.get("error", body)).split())[:300]
-    except (ValueError, OSError, AttributeError):
-        return e.reason or "error"
+        return json.loads(data)
+    except RecursionError:  # [[[[...: Python's parser recurses once per level
+        raise MtcliError(f"teacher {url}: the answer is nested too deep to be LibreTranslate's JSON") from None
+    except ValueError:  # not JSON, or not UTF-8
+        raise MtcliError(f"teacher {url}: the answer is not JSON; is this a LibreTranslate server?") from None
 
 
-def _retry_after(e: urllib.error.HTTPError) -> float:
+def _is_language_list(offered) -> bool:
+    def is_language(item) -> bool:
+        targets = item.get("targets", []) if isinstance(item, dict) else None
+        return (
+            isinstance(item, dict)
+            and isinstance(item.get("code"), str)
+            and isinstance(targets, list)
+            and all(isinstance(t, str) for t in targets)
+        )
+
+    return isinstance(offered, list) and all(is_language(item) for item in offered)
+
+
+def _is_unicode(text: str) -> bool:
     try:
-        return min(float(e.headers.get("Retry-After", 0)), 60.0)
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _excerpt(answer) -> str:
+    """A parsed answer as one short line (ASCII: it may hold what no terminal can print)."""
+    try:
+        return json.dumps(answer)[:200]
+    except RecursionError:  # as deep as the parser could go: too deep to show from here
+        return "a structure nested too deep to show"
+
+
+def _error_text(data: bytes) -> str:
+    """What an error answer says: LibreTranslate's {"error": ...}, else the start of the page."""
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError):
+        body = data.decode("utf-8", "replace")
+    text = body.get("error", body) if isinstance(body, dict) else body
+    if not isinstance(text, str) or not _is_unicode(text):
+        text = _excerpt(text)
+    return " ".join(text.split())[:300] or "error"
+
+
+def _retry_after(headers) -> float:
+    try:
+        seconds = float(headers.get("Retry-After", 0))
     except (TypeError, ValueError):
         return 0.0
+    return min(seconds, RETRY_AFTER_MAX) if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 def is_url(teacher: str | Path) -> bool:
@@ -218,8 +394,8 @@ def open_teacher(
     overrides: list[str] | tuple[str, ...] = (),
     device: str = "auto",
     api_key: str | None = None,
-    retries: int = 8,
-    timeout: float = 120.0,
+    retries: int = HTTP_RETRIES,
+    timeout: float = HTTP_TIMEOUT,
     **options,
 ):
     """A ModelTeacher for runs or checkpoint folders (several: an ensemble), an HttpTeacher for one URL. `langs`:
@@ -376,7 +552,7 @@ def synthesize(
     try:
         start = time.time()
         n_chunks = math.ceil(lines.total / chunk_lines)
-        translated, seconds = _translate_chunks(teacher, lines, work, chunk_lines, n_chunks, progress)
+        translated, seconds = _translate_chunks(teacher, lines, work, out, chunk_lines, n_chunks, progress)
         if lines.changed():
             raise MtcliError(f"{lines.name} changed while it was translated; run again to translate the new version")
         report = {
@@ -390,14 +566,22 @@ def synthesize(
             "sentences_per_second": round(translated / seconds, 1) if seconds else None,
         }
         with new_folder(out, COMMAND, force) as tmp:
-            counts = _write_corpus(work, n_chunks, tmp, teacher, filters)
-            if counts["kept"] == 0:
-                dropped = ", ".join(f"{n:,} {reason}" for reason, n in counts["dropped"].items() if n)
-                raise MtcliError(f"{lines.name}: the filters dropped all {counts['lines']:,} lines ({dropped})")
-            report |= counts | {"seconds": round(time.time() - start, 1)}
-            if getattr(teacher, "retried", 0):
-                report["http_retries"] = teacher.retried
-            (tmp / REPORT).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            try:
+                counts = _write_corpus(work, n_chunks, tmp, teacher, filters)
+                if counts["kept"] == 0:
+                    dropped = ", ".join(f"{n:,} {reason}" for reason, n in counts["dropped"].items() if n)
+                    raise MtcliError(f"{lines.name}: the filters dropped all {counts['lines']:,} lines ({dropped})")
+                report |= counts | {"warnings": drop_warnings(counts, filters, teacher)}
+                report["seconds"] = round(time.time() - start, 1)
+                if getattr(teacher, "retried", 0):
+                    report["http_retries"] = teacher.retried
+                text = json.dumps(report, indent=1, ensure_ascii=False) + "\n"
+                (tmp / REPORT).write_text(text, encoding="utf-8")
+            except OSError as e:  # a full disk: the translated chunks stay, for a rerun that translates nothing again
+                raise MtcliError(
+                    f"--out {out}: cannot write in {out.parent} ({e.strerror or error_text(e)}); the translation is "
+                    f"kept in {work.name} there: make room and run the same command again"
+                ) from None
         shutil.rmtree(work, ignore_errors=True)  # still locked: no other process can be using it
     except BaseException:
         if not any(work.glob("chunk-*")):  # nothing worth resuming: leave no trace
@@ -409,6 +593,8 @@ def synthesize(
     finally:
         lock.release()
     logger.info(describe(report, out))
+    for warning in report["warnings"]:
+        logger.warning(f"synthesis: {warning}")
     return report
 
 
@@ -427,7 +613,9 @@ def _chunk_path(work: Path, index: int) -> Path:
     return work / f"chunk-{index:07d}.jsonl"
 
 
-def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: int, progress: bool) -> tuple[int, float]:
+def _translate_chunks(
+    teacher, lines: Lines, work: Path, out: Path, size: int, n_chunks: int, progress: bool
+) -> tuple[int, float]:
     """Translate every chunk that has no file yet, in order; returns the lines translated and the seconds spent."""
     done = 0
     while done < n_chunks and _chunk_path(work, done).is_file():
@@ -447,7 +635,14 @@ def _translate_chunks(teacher, lines: Lines, work: Path, size: int, n_chunks: in
             json.dumps({"x": x, "t": o.text, "s": _rounded(o.score), "n": [o.src_len, o.out_len]}, ensure_ascii=False)
             for x, o in zip(chunk, outputs)
         ]
-        write_file_atomic(_chunk_path(work, index), "".join(row + "\n" for row in rows))
+        try:
+            write_file_atomic(_chunk_path(work, index), "".join(row + "\n" for row in rows))
+        except OSError as e:  # a full disk: what is written stays, and a rerun resumes after it
+            kept = f"{counted(index, 'finished chunk')} kept in {work.name}" if index else "nothing was kept"
+            raise MtcliError(
+                f"--out {out}: cannot write in {work.parent} ({e.strerror or error_text(e)}); {kept}: "
+                "make room and run the same command again"
+            ) from None
         translated += len(chunk)
         bar.update(len(chunk))
         now = time.time()
@@ -529,6 +724,30 @@ def _write_corpus(work: Path, n_chunks: int, folder: Path, teacher, filters: Fil
         "mean_score": round(score_sum / scored, 4) if scored else None,
         "files": names | {"dropped": "dropped.tsv"},
     }
+
+
+def drop_warnings(counts: dict, filters: Filters, teacher) -> list[str]:
+    """A line for each filter that dropped more than DROP_WARNING_SHARE of the lines, with what to check; not for
+    --drop-worst, which drops the share it is given."""
+    unit = "characters" if isinstance(teacher, HttpTeacher) else "the teacher's subwords"
+    advice = {
+        "copy": "the teacher copied its input: does it translate the languages asked for?",
+        "ratio": f"lengths in {unit} differ more than {filters.max_ratio:g} times: where these are good translations "
+        "(scripts differ in length), raise --max-ratio / distill.max_ratio (0: off)",
+        "score": "lower --min-score",
+    }
+    warnings = []
+    for reason, n in counts["dropped"].items():
+        if (
+            reason in advice
+            and not (reason == "score" and filters.drop_worst)
+            and n > DROP_WARNING_SHARE * counts["lines"]
+        ):
+            warnings.append(
+                f"the {reason} filter dropped {n:,} of {counts['lines']:,} lines ({n / counts['lines']:.0%}; they are "
+                f"in dropped.tsv): {advice[reason]}"
+            )
+    return warnings
 
 
 def describe(report: dict, out: Path) -> str:

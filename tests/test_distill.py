@@ -3,13 +3,20 @@ killed and resumed, a real `mtcli serve` as the teacher, back-translation with t
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import functools
+import http.server
+import itertools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -19,14 +26,16 @@ from conftest import invoke
 from faults_serve import Server
 from typer.testing import CliRunner
 
+from mtcli import synthetic
 from mtcli.cli import app
 from mtcli.config_loader import load_config
 from mtcli.data import prepare
+from mtcli.distill import synthesis_filters
 from mtcli.errors import MtcliError
 from mtcli.mixture import epoch_examples
-from mtcli.synthetic import Filters, ModelTeacher, file_lines, synthesize
+from mtcli.synthetic import Filters, ModelTeacher, file_lines, open_teacher, synthesize
 from mtcli.tokenizer import Tokenizer
-from mtcli.toy import toy_pairs
+from mtcli.toy import _all_pairs, toy_pairs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,17 +103,17 @@ def test_toy_teacher_distils_into_a_smaller_student(toy_run, toy_cache, tmp_path
 
     # Every figure comes from the files the card names
     refs = (run / "distill" / "eval" / "test.ref.zh").read_text(encoding="utf-8").splitlines()
-    assert card["eval"]["references"] == str(run / "distill" / "eval" / "test.ref.zh")
+    assert card["eval"]["references"] == "distill/eval/test.ref.zh"  # relative to the run: the card is shareable
     names = [row["system"] for row in card["systems"]]
     assert names == ["teacher", "student greedy int8", "student beam 4", "student greedy, CTranslate2 int8"]
     for row in card["systems"]:
-        hyps = Path(row["hypotheses"]).read_text(encoding="utf-8").splitlines()
+        hyps = (run / row["hypotheses"]).read_text(encoding="utf-8").splitlines()
         bleu = sacrebleu.corpus_bleu(hyps, [refs], tokenize="zh")
         assert row["bleu"] == round(bleu.score, 2)
         assert row["sentences_per_second"] > 0
     assert card["systems"][0]["bleu"] > 90  # the toy teacher; the student had 40 updates
     assert card["systems"][1]["paired"]["bleu"]["p_bs"] <= 1
-    assert Path(card["student"]["export"]["folder"], "model.bin").is_file()
+    assert (run / card["student"]["export"]["folder"] / "model.bin").is_file()
     assert set(card["steps"]) == {"synthesize", "synthesize_mono", "train", "average", "score", "export"}
 
     # A second call finds every step done and changes nothing; another config is refused, naming the key
@@ -276,3 +285,252 @@ def test_the_shipped_student_configs_are_smaller_where_it_counts():
         assert student.decoder_layers < (big.decoder_layers or big.layers)
         assert student.d_model <= big.d_model
         assert load_config(name).distill.quantization == "int8"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A fake LibreTranslate teacher on 127.0.0.1, friendly or hostile
+
+
+@functools.lru_cache(maxsize=1)
+def toy_translations() -> dict[str, str]:
+    """Every toy English sentence with its Chinese: what a perfect teacher of the toy corpus answers."""
+    return dict(_all_pairs())
+
+
+def toy_answer(texts: list[str]) -> bytes:
+    return json.dumps({"translatedText": [toy_translations().get(t, t) for t in texts]}).encode()
+
+
+EN_ZH = json.dumps([{"code": "en", "name": "English", "targets": ["zh"]}]).encode()
+
+
+class FakeTeacher:
+    """LibreTranslate's API in a thread: GET /languages answers `languages`, POST /translate `answer(texts)`. An
+    answer is bytes (sent with its length) or an iterator of bytes (streamed until the client hangs up)."""
+
+    def __init__(self, answer=toy_answer, languages=EN_ZH):
+        self.answer, self.languages, self.translate_requests = answer, languages, 0
+        teacher = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                self.send(teacher.languages)
+
+            def do_POST(self):
+                texts = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["q"]
+                teacher.translate_requests += 1
+                self.send(teacher.answer(texts))
+
+            def send(self, body):
+                if callable(body):  # writes the raw response itself
+                    return body(self.wfile)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if isinstance(body, bytes):
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
+                self.end_headers()
+                with contextlib.suppress(OSError):  # the client hung up: what a capped read does
+                    for piece in body:
+                        self.wfile.write(piece)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def synthesize_http(url: str, source: Path, out: Path, *extra) -> list[str]:
+    return ["data", "synthesize", "--teacher", url, "--input", source, "--out", out, "--src-lang", "en",
+            "--tgt-lang", "zh", "--retries", 0, *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_http_teacher_distils_to_a_shareable_card_that_states_a_failed_parity(toy_cache, tmp_path, monkeypatch):
+    # An export that diverges from mtcli (as a broken converter would): distill keeps it, and its card must say so
+    divergence = "greedy: 9 repeating outputs (mtcli 0)"
+    monkeypatch.setattr("mtcli.parity.failures", lambda rows, precision: [divergence])
+    run = tmp_path / "student"
+    student = {k: v for k, v in STUDENT.items() if k != "distill.max_ratio"}  # the toy's data.max_ratio 0 applies
+    student["distill.average_last"] = 0  # the best checkpoint, measured on valid all the same
+    with FakeTeacher() as teacher:
+        args = ["distill", "--teacher", teacher.url, "--config", "toy.yaml", "--run-dir", run]
+        args += sets({"data.cache_dir": toy_cache, **student})
+        assert invoke(*args).stdout.strip() == str(run / "MODEL_CARD.md")
+    card = json.loads((run / "model_card.json").read_text(encoding="utf-8"))
+    markdown = (run / "MODEL_CARD.md").read_text(encoding="utf-8")
+
+    # The teacher's perfect translations all kept: the ratio filter follows data.max_ratio (0 in the toy)
+    assert card["data"]["train"]["kept"] == 4000 and card["data"]["train"]["dropped"]["ratio"] == 0
+    assert card["teacher"]["models"] == [teacher.url] and card["systems"][0]["bleu"] == 100
+    # The failed parity check, the student's shape, budget and valid BLEU, the command and how to use the export
+    assert card["student"]["export"]["parity"]["failures"] == [divergence]
+    assert "FAILED its parity check" in markdown and divergence in markdown
+    assert card["student"]["shape"] == {
+        "encoder_layers": 2, "decoder_layers": 1, "d_model": 64, "heads": 2, "d_ff": 128,
+        "parameters": card["student"]["parameters"],
+    }  # fmt: skip
+    assert card["student"]["training"]["updates"] == 40 and card["student"]["training"]["target_tokens"] > 0
+    assert 0 <= card["student"]["valid_bleu"] <= 100
+    assert all(isinstance(row["repeating"], int) for row in card["systems"])
+    assert card["command"] == f"mtcli distill --teacher {teacher.url} --config distill/config.yaml --run-dir ."
+    assert "mtcli translate --checkpoint checkpoints/" in markdown and 'ctranslate2.Translator("' in markdown
+    # Shareable: no path of this machine; every path is relative to the run directory
+    for text in (markdown, (run / "model_card.json").read_text(encoding="utf-8")):
+        assert str(tmp_path) not in text and str(toy_cache) not in text
+    assert (run / card["eval"]["references"]).is_file() and (run / card["student"]["checkpoint"]).is_dir()
+    assert all((run / row["hypotheses"]).is_file() for row in card["systems"])
+    assert (run / card["student"]["export"]["folder"] / "model.bin").is_file()
+
+    # A run that crashed at the card step (the teacher's row and the config as the old code wrote them, when
+    # distill.max_ratio was 3.0) completes on a rerun, without the teacher: the card is recomputed from distill.json
+    state = json.loads((run / "distill.json").read_text(encoding="utf-8"))
+    del state["steps"]["card"]
+    state["inputs"]["config"]["distill"]["max_ratio"] = 3.0
+    for key in ("engine", "beam", "precision", "lenpen", "device", "threads"):
+        state["steps"]["score"]["systems"][0].pop(key, None)
+    (run / "distill.json").write_text(json.dumps(state), encoding="utf-8")
+    (run / "MODEL_CARD.md").unlink()
+    assert invoke(*args).stdout.strip() == str(run / "MODEL_CARD.md")
+    assert "card" in json.loads((run / "distill.json").read_text(encoding="utf-8"))["steps"]
+
+
+def test_an_oversized_answer_ends_in_one_line_without_being_read_whole():
+    piece = b"x" * (1 << 18)
+
+    def huge(texts):  # a JSON string that never ends, 64 MiB at most
+        yield b'{"translatedText": ["'
+        yield from itertools.repeat(piece, 256)
+
+    with FakeTeacher(huge) as teacher:
+        http = open_teacher([teacher.url], ("en", "zh"), retries=0)
+        tracemalloc.start()
+        try:
+            with pytest.raises(MtcliError) as info:
+                http.translate(["I love apples", "she likes tea"], 0)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert str(info.value).startswith(f"teacher {teacher.url}/translate: the answer is larger than")
+    assert peak < 8 << 20, f"{peak:,} bytes held for a capped answer"
+
+
+def trickle(route: str):
+    """A response whose status line (/languages) or body (/translate) comes one byte every 0.2 s, 30 at most."""
+
+    def write(wfile):
+        head = b"HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+        if route == "/translate":
+            wfile.write(head)
+        with contextlib.suppress(OSError):
+            for byte in (head if route == "/languages" else b"[" * 1000)[:30]:
+                wfile.write(bytes([byte]))
+                wfile.flush()
+                time.sleep(0.2)
+
+    return write
+
+
+@pytest.mark.parametrize("route", ["/languages", "/translate"])
+def test_a_trickling_teacher_ends_at_the_deadline_in_one_line(route):
+    languages = trickle(route) if route == "/languages" else EN_ZH
+    with FakeTeacher(lambda texts: trickle(route), languages) as teacher:
+        started = time.monotonic()
+        with pytest.raises(MtcliError) as info:
+            open_teacher([teacher.url], ("en", "zh"), retries=0, timeout=1.0).translate(["I love apples"], 0)
+        took = time.monotonic() - started
+    message = str(info.value)
+    assert message.startswith(f"teacher {teacher.url}{route}: unreachable after 1 try (no complete answer within 1 s)")
+    assert took < 3, f"a 1 s deadline took {took:.1f} s"
+
+
+HOSTILE = {
+    "targets a number": ({"languages": b'[{"code": "en", "targets": 5}]'}, "/languages: answered"),
+    "code a list": ({"languages": b'[{"code": ["en"], "targets": ["zh"]}]'}, "/languages: answered"),
+    "not a list": ({"languages": b'{"en": "zh"}'}, "/languages: answered"),
+    "nested 100,000 deep": (
+        {"answer": lambda texts: b'{"translatedText": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"},
+        "/translate: the answer is nested too deep",
+    ),
+    "a lone surrogate": (
+        {"answer": lambda texts: json.dumps({"translatedText": ["\ud800" + t for t in texts]}).encode()},
+        "/translate: its translation of 'the",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_hostile_teacher_answers_fail_in_one_line_and_write_nothing(case, tmp_path):
+    server, expected = HOSTILE[case]
+    source = tmp_path / "mono.en"
+    source.write_text("the children love apples\n", encoding="utf-8")
+    with FakeTeacher(**server) as teacher:
+        message = error_of(*synthesize_http(teacher.url, source, tmp_path / "out"))
+    assert message.startswith(f"teacher {teacher.url}{expected}"), message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mono.en"]
+
+
+def test_a_full_disk_during_synthesis_ends_in_one_line_and_keeps_the_finished_chunks(tmp_path, monkeypatch):
+    source = english_lines(tmp_path / "mono.en", 100, seed=13)
+    out = tmp_path / "synthetic"
+    args = synthesize_http("", source, out, "--chunk-lines", 20)
+    real_write = synthetic.write_file_atomic
+    writes = []
+
+    def fills_up_at_the_third_chunk(path, data):
+        writes.append(path)
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real_write(path, data)
+
+    def fails_to_create_files(file, mode="r", *rest, **options):
+        if "w" in mode:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(file))
+        return open(file, mode, *rest, **options)
+
+    with FakeTeacher() as teacher:
+        args[3] = teacher.url
+        with monkeypatch.context() as patch:
+            patch.setattr(synthetic, "write_file_atomic", fills_up_at_the_third_chunk)
+            message = error_of(*args)
+        assert message.startswith(f"--out {out}: cannot write in {tmp_path} (No space left on device)")
+        work = next(tmp_path.glob(".synthetic.synthesis-*"))
+        assert sorted(p.name for p in work.glob("chunk-*")) == ["chunk-0000000.jsonl", "chunk-0000001.jsonl"]
+        assert "2 finished chunks kept" in message and not out.exists()
+
+        # Every chunk translated, then the corpus files cannot be created: the chunks stay for the rerun
+        with monkeypatch.context() as patch:
+            patch.setattr(synthetic, "open", fails_to_create_files, raising=False)
+            message = error_of(*args)
+        assert message.startswith(f"--out {out}: cannot write in {tmp_path} (No space left on device)")
+        assert len(list(work.glob("chunk-*"))) == 5 and not out.exists()
+        requests = teacher.translate_requests
+        invoke(*args)
+        assert teacher.translate_requests == requests  # nothing translated twice
+    assert json.loads((out / "synthesis.json").read_text(encoding="utf-8"))["lines"] == 100
+
+
+def test_a_filter_that_drops_many_pairs_is_said_so_and_distill_follows_the_datas_ratio(tmp_path, log):
+    # The toy's templates differ in length by design (data.max_ratio 0): a student of it keeps them
+    assert synthesis_filters(load_config("toy.yaml")).max_ratio == 0
+    assert synthesis_filters(load_config("toy.yaml", ["distill.max_ratio=4"])).max_ratio == 4
+    source = english_lines(tmp_path / "mono.en", 40, seed=14)
+    with FakeTeacher() as teacher:
+        http = open_teacher([teacher.url], ("en", "zh"))
+        synthesize(http, file_lines(source), tmp_path / "out", filters=Filters(max_ratio=3), progress=False)
+    report = json.loads((tmp_path / "out" / "synthesis.json").read_text(encoding="utf-8"))
+    assert report["dropped"]["ratio"] > 2  # English against Chinese characters: perfect translations dropped
+    assert len(report["warnings"]) == 1 and report["warnings"][0].startswith("the ratio filter dropped")
+    assert report["warnings"][0] in [line.removeprefix("synthesis: ") for line in log]
