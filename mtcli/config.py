@@ -360,6 +360,13 @@ class DecodeConfig:
         _check(self.top_k >= 0, "decode.top_k", "must be >= 0")
         _check(1e-6 <= self.top_p <= 1, "decode.top_p", "must be between 1e-6 and 1")
 
+    def with_options(self, **values) -> DecodeConfig:
+        """These settings with `values` applied and checked (mtcli translate's options, a server request's fields):
+        a new beam caps nbest unless nbest is given too, so `--beam 1` alone is never refused for a config's nbest."""
+        if "beam" in values and "nbest" not in values:
+            values["nbest"] = min(self.nbest, values["beam"])
+        return dataclasses.replace(self, **values)
+
 
 @dataclass(frozen=True)
 class DistillConfig:

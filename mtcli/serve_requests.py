@@ -16,7 +16,7 @@ import json
 import math
 import re
 import urllib.parse
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -330,8 +330,6 @@ def decode_options(fields: dict, decode: DecodeConfig, limits: ServeLimits, posi
     values = {key: typed(key, fields[key], kind) for key, kind in NATIVE_OPTIONS.items() if key in fields}
     if values.get("beam", 0) > limits.max_beam:
         raise HTTPError(422, f"beam {shown(str(values['beam']))} is over this server's limit of {limits.max_beam}")
-    if "beam" in values and "nbest" not in values:
-        values["nbest"] = min(decode.nbest, values["beam"])
     for key in ("max_len_a", "max_len_b"):  # no output is longer than the positions anyway
         if key in values:
             values[key] = min(values[key], positions)
@@ -339,6 +337,6 @@ def decode_options(fields: dict, decode: DecodeConfig, limits: ServeLimits, posi
         if key in values and not low <= values[key] <= high:
             raise HTTPError(422, f"{key}: must be between {low:g} and {high:g}, not {shown(str(values[key]))}")
     try:
-        return replace(decode, **values)
+        return decode.with_options(**values)
     except MtcliError as e:
         raise HTTPError(422, str(e).removeprefix("decode.")) from None

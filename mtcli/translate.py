@@ -11,7 +11,7 @@ score computed while training and one computed afterwards come from the same cod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -268,10 +268,7 @@ def decode_settings(decode: DecodeConfig, **options) -> DecodeConfig:
         raise MtcliError(
             f"unknown decode option(s) {', '.join(sorted(unknown))}; known: {', '.join(sorted(DECODE_OPTIONS))}"
         )
-    values = {k: v for k, v in options.items() if v is not None}
-    if "beam" in values and "nbest" not in values:
-        values["nbest"] = min(decode.nbest, values["beam"])
     try:
-        return replace(decode, **values)
+        return decode.with_options(**{k: v for k, v in options.items() if v is not None})
     except MtcliError as e:
         raise MtcliError(str(e).replace("decode.", "--").replace("_", "-")) from None
