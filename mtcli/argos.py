@@ -14,18 +14,19 @@ than with the `onnx` package, a dependency for one tiny file.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import struct
-import tempfile
 import zipfile
 from pathlib import Path
 
 from mtcli.checkpoint import read_tokenizer
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
-from mtcli.export import export_ctranslate2
+from mtcli.export import write_ctranslate2
 from mtcli.log import logger
-from mtcli.outputs import MANIFEST, check_file_target, new_file
-from mtcli.parity import ParityOptions
+from mtcli.outputs import MANIFEST, check_file_target, new_file, remove_stale_siblings
+from mtcli.parity import ParityOptions, file_record, report_text
 from mtcli.tokenizer import Tokenizer
 
 ARGOS_VERSION = "1.11"  # the Argos Translate version the layout was tested with (tests/test_argos.py)
@@ -63,9 +64,14 @@ def export_argos(
             "export --format argos: Argos Translate encodes and decodes with one SentencePiece model; this model has "
             "separate source and target vocabularies (or an imported vocab.json): use --format ctranslate2"
         )
-    with tempfile.TemporaryDirectory(prefix=".mtcli-argos-", dir=out.parent) as work:
-        ct2 = export_ctranslate2(checkpoint, Path(work) / "model", quantization, parity=parity, decode=decode)
-        meta = json.loads((ct2 / "mtcli.json").read_text())
+    # the work folder is named after `out` with this process's id, so a killed export's is removed by the next one
+    work = out.parent / f".{out.name}.work-{os.getpid()}"
+    remove_stale_siblings(out)
+    shutil.rmtree(work, ignore_errors=True)
+    try:
+        write_ctranslate2(checkpoint, work / "model", quantization, parity, decode, f"--out {out}")
+        ct2 = work / "model"
+        meta = json.loads((ct2 / "mtcli.json").read_text(encoding="utf-8"))
         if meta.get("src_prefix"):
             raise MtcliError(
                 f"export --format argos: the model needs the source prefix {meta['src_prefix']!r}, which Argos "
@@ -86,17 +92,36 @@ def export_argos(
         card = _model_card(checkpoint)
         if card is not None:
             metadata["model_card"] = card
+        # the package's files (a path, or bytes) under their names inside its folder
+        files: dict[str, Path | bytes] = {"metadata.json": json.dumps(metadata, indent=1, ensure_ascii=False).encode()}
+        for path in sorted(ct2.iterdir()):  # CTranslate2's files into model/
+            if path.name not in ("spm.model", "mtcli.json", "parity.json", MANIFEST):
+                files[f"model/{path.name}"] = path
+        files["sentencepiece.model"] = ct2 / "spm.model"
+        files[f"minisbd/{src}.onnx"] = sentence_splitter_onnx(src)
+        files["README.md"] = _readme(metadata, checkpoint, meta["translate_batch"]).encode()
         with new_file(out, force, [checkpoint], "--out", binary=True) as handle:
             with zipfile.ZipFile(handle, "w", zipfile.ZIP_DEFLATED) as package:
-                package.writestr(f"{top}/metadata.json", json.dumps(metadata, indent=1, ensure_ascii=False))
-                for path in sorted(ct2.iterdir()):  # CTranslate2's files into model/, the report beside it
-                    if path.name not in ("spm.model", "mtcli.json", MANIFEST):
-                        package.write(path, f"{top}/{'' if path.name == 'parity.json' else 'model/'}{path.name}")
-                package.write(ct2 / "spm.model", f"{top}/sentencepiece.model")
-                package.writestr(f"{top}/minisbd/{src}.onnx", sentence_splitter_onnx(src))
-                package.writestr(f"{top}/README.md", _readme(metadata, checkpoint, meta["translate_batch"]))
+                for name, data in files.items():
+                    if isinstance(data, Path):
+                        package.write(data, f"{top}/{name}")
+                    else:
+                        package.writestr(f"{top}/{name}", data)
+                if (ct2 / "parity.json").is_file():  # the report, bound to the package's own files
+                    report = json.loads((ct2 / "parity.json").read_text(encoding="utf-8"))
+                    report["files"] = {name: _record(data) for name, data in files.items()}
+                    package.writestr(f"{top}/parity.json", report_text(report))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     logger.info(f"exported {checkpoint} as an Argos Translate package ({src} -> {tgt}) to {out}")
     return out
+
+
+def _record(data: Path | bytes) -> dict:
+    if isinstance(data, bytes):
+        return file_record(data)
+    with open(data, "rb") as f:
+        return file_record(f)
 
 
 def _model_card(checkpoint: Path) -> dict | None:
@@ -162,7 +187,8 @@ def sentence_splitter_onnx(lang: str) -> bytes:
     config = {"skip_newline": False, "max_seqlen": 1000, "no_ssplit": False, "batch_size": 32, "feat_funcs": []}
     vocab = {"lang": lang, "idx": 0, "cutoff": 0, "lower": False, "_unit2id": {u: i for i, u in enumerate(units)}}
     vocab["_id2unit"] = units
-    metadata = {"lang_code": lang, "config": json.dumps(config), "vocab": json.dumps(vocab), "lexicon": "null"}
+    config_text, vocab_text = json.dumps(config), json.dumps(vocab, ensure_ascii=False)
+    metadata = {"lang_code": lang, "config": config_text, "vocab": vocab_text, "lexicon": "null"}
     return (
         _varint_field(1, 8)  # ir_version
         + _field(2, b"mtcli")  # producer_name

@@ -39,8 +39,8 @@ def average_checkpoints(paths: list[Path], out: Path, force: bool = False) -> Pa
 
     if not paths:
         raise MtcliError("no checkpoints to average")
-    refuse_input_overlap(out, paths, "--output")
-    check_folder_target(out, "average", force, "--output")
+    refuse_input_overlap(out, paths, "--out")
+    check_folder_target(out, "average", force)
     metas = [read_metadata(p) for p in paths]
     reference = checkpoint_config(metas[0], str(checkpoint_file(paths[0]))).model
     total: dict[str, torch.Tensor] = {}
@@ -66,7 +66,7 @@ def average_checkpoints(paths: list[Path], out: Path, force: bool = False) -> Pa
     averaged = {name: (t / len(paths)).to(dtypes[name]).contiguous() for name, t in total.items()}
     metadata = dict(metas[-1])
     metadata["averaged"] = json.dumps([p.name for p in paths])
-    with new_folder(out, "average", force, "--output") as folder:
+    with new_folder(out, "average", force) as folder:
         save_file(averaged, str(folder / "model.safetensors"), metadata=metadata)
         Tokenizer.from_folder(checkpoint_file(paths[-1]).parent).copy_to(folder)
     return out

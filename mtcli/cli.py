@@ -7,6 +7,7 @@ exit status of errors (one line, status 2).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -84,6 +85,9 @@ ProbeOpt = typer.Option(None, "--probe", help="Source lines for the parity repor
 ProbeRefOpt = typer.Option(None, "--probe-ref", help="References of --probe's lines (reference BLEU in the report).")
 ProbeLinesOpt = typer.Option(500, "--probe-lines", help="At most this many probe lines (plus 7 stress lines).")
 NoCheckOpt = typer.Option(False, "--no-check", help="Write the export even where the parity report diverges.")
+ImportNoCheckOpt = typer.Option(False, "--no-check", help="Write the run even where the parity report diverges.")
+FORMATS = {"hf": "hf", "transformers": "hf", "huggingface": "hf", "ctranslate2": "ctranslate2", "ct2": "ctranslate2"}
+FORMATS |= {"argos": "argos", "argostranslate": "argos"}
 PrecisionOpt = typer.Option(
     None,
     help="auto (bf16 where the device has fast bf16, else fp32), fp32, bf16 or int8 (CPU); default decode.precision.",
@@ -385,9 +389,10 @@ def evaluate(
 def average(
     run: Path = typer.Option(..., "--run", help="Run directory."),
     last: int = typer.Option(5, "--last", help="Average the last N numbered checkpoints."),
-    output: Path = typer.Option(
-        None, "--output", help="Checkpoint folder to write (default: <run>/checkpoints/average_last<N>)."
+    out: Path = typer.Option(
+        None, "--out", help="Checkpoint folder to write (default: <run>/checkpoints/average_last<N>)."
     ),
+    output: Path = typer.Option(None, "--output", hidden=True, help="The old name of --out (deprecated)."),
     force: bool = ForceOpt,
 ):
     """Average the weights of a run's last N checkpoints into a new checkpoint.
@@ -396,7 +401,12 @@ def average(
     """
     from mtcli.average import average_last
 
-    print(average_last(run, last, output, force))
+    if output is not None:  # every other folder writer takes --out; the old name works for one more release
+        if out is not None:
+            raise MtcliError("give --out only (--output is its old name)")
+        logger.warning("warning: --output is deprecated and goes in the next release: use --out")
+        out = output
+    print(average_last(run, last, out, force))
 
 
 @app.command(cls=_Command, short_help="Export a checkpoint to Transformers, CTranslate2 or Argos Translate.")
@@ -404,7 +414,10 @@ def export(
     run: Path = RunOpt,
     checkpoint: Path = CheckpointOpt,
     format: str = typer.Option(
-        ..., "--format", help="hf (Transformers model + tokenizer), ctranslate2, or argos (a .argosmodel package)."
+        ...,
+        "--format",
+        help="hf (Transformers model + tokenizer; or transformers), ctranslate2 (or ct2), or argos (a .argosmodel "
+        "package); any case.",
     ),
     out: Path = typer.Option(
         ..., "--out", help="Folder to write (argos: a .argosmodel file): new or empty (or an earlier export: --force)."
@@ -442,8 +455,9 @@ def export(
     from mtcli.config_loader import with_overrides
     from mtcli.export import export_ctranslate2, export_hf
 
-    if format not in ("hf", "ctranslate2", "argos"):
-        raise MtcliError(f"--format {format}: choose hf, ctranslate2 or argos")
+    if format.lower() not in FORMATS:
+        raise MtcliError(f"--format {format}: choose hf, ctranslate2 or argos (or transformers, ct2)")
+    format = FORMATS[format.lower()]
     if format == "hf" and quantization != "none":
         raise MtcliError("--quantization applies to --format ctranslate2 and argos only")
     if quantization not in CT2_QUANTIZATIONS:
@@ -459,6 +473,28 @@ def export(
         print(export_argos(ckpt, out, quantization, force, parity, decode))
     else:
         print(export_ctranslate2(ckpt, out, quantization, force, parity, decode))
+
+
+@app.command(cls=_Command, short_help="Check an export's files against the sizes and hashes its parity.json records.")
+def verify(
+    export: Path = typer.Argument(..., help="An export folder (hf, ctranslate2) or an .argosmodel package."),
+):
+    """Check that an export is still what its parity report describes: every file parity.json records (size and
+    sha256) is there with the same bytes. Prints one line per file that is missing or differs and exits with status 2;
+    files the report does not record are listed as such (not checked).
+
+    Example: mtcli verify toy-hf   (or mtcli verify toy.argosmodel)
+    """
+    from mtcli.parity import verify_export
+
+    problems, unrecorded, checked = verify_export(export)
+    for name in unrecorded:
+        print(f"{name}: not in parity.json (not checked)")
+    for line in problems:
+        print(line)
+    if problems:
+        raise MtcliError(f"{export}: {len(problems)} of {checked} files differ from its parity.json (listed above)")
+    print(f"{export}: the {checked} files parity.json records are intact")
 
 
 def parity_options(probe, probe_ref, probe_lines: int, no_check: bool):
@@ -482,7 +518,7 @@ def import_model(
     probe: Path = ProbeOpt,
     probe_ref: Path = ProbeRefOpt,
     probe_lines: int = ProbeLinesOpt,
-    no_check: bool = NoCheckOpt,
+    no_check: bool = ImportNoCheckOpt,
 ):
     """Import a MarianMT model (config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm,
     vocab.json) as a run directory that translate, eval, export, average and train (--set train.init_from=DIR) take.
@@ -583,6 +619,16 @@ def main() -> None:
         app()
     except MtcliError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        from mtcli.outputs import DISK_FULL
+
+        if e.errno not in DISK_FULL:
+            raise
+        # a write the command did not name itself (outputs.new_file and new_folder do): the path when there is one
+        where = f" writing {e.filename}" if e.filename else ""
+        reason = os.strerror(e.errno).lower()
+        print(f"error: {reason}{where}; free some space and run the command again", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -133,21 +133,7 @@ def export_hf(
         hf_model.load_state_dict(_hf_state_dict(model, hf_model.state_dict()), strict=True)
     except RuntimeError as e:  # a transformers version whose names differ
         raise MtcliError(f"export: weights do not map onto {type(hf_model).__name__}: {str(e)[:300]}") from None
-    search, _ = engine_settings(config.decode, "hf", c.max_positions)  # the run's search, as far as it goes
-    hf_model.generation_config = transformers.GenerationConfig(
-        decoder_start_token_id=specials.bos,
-        bos_token_id=specials.bos,
-        eos_token_id=specials.eos,
-        pad_token_id=specials.pad,
-        suppress_tokens=sorted({specials.pad, specials.bos}),  # as mtcli's search: never padding or a second BOS
-        min_new_tokens=search.min_len,  # as mtcli's search: no EOS before the first token (by default)
-        num_beams=config.decode.beam,
-        length_penalty=search.lenpen,  # power: score / length ** lenpen (GNMT's formula is not expressible)
-        early_stopping=search.early_stopping,
-        no_repeat_ngram_size=search.no_repeat_ngram,
-        max_length=c.max_positions,
-        mtcli_decode={k: getattr(config.decode, k) for k in ROUND_TRIP},  # `mtcli import` reads the run's search
-    )
+    hf_model.generation_config = transformers.GenerationConfig(**_generation_settings(config, specials))
     with new_folder(out, "export --format hf", force) as folder, quiet_transformers(transformers):
         hf_model.save_pretrained(folder)
         _save_hf_tokenizer(tokenizer, config, folder, transformers)
@@ -157,6 +143,29 @@ def export_hf(
             run_parity(translator, engine, "hf", "float32", folder, f"--out {out}", parity)
     logger.info(f"exported {checkpoint} as {type(hf_model).__name__} ({c.norm}-norm) to {out}")
     return out
+
+
+def _generation_settings(config, specials) -> dict:
+    """generation_config.json: the run's search, as far as Transformers expresses it. A greedy run (beam 1) gets no
+    beam-only settings (length_penalty, early_stopping): Transformers refuses to save, or load, a config that sets
+    them without beams; `mtcli import` finds them in mtcli_decode all the same."""
+    search, _ = engine_settings(config.decode, "hf", config.model.max_positions)
+    settings = dict(
+        decoder_start_token_id=specials.bos,
+        bos_token_id=specials.bos,
+        eos_token_id=specials.eos,
+        pad_token_id=specials.pad,
+        suppress_tokens=sorted({specials.pad, specials.bos}),  # as mtcli's search: never padding or a second BOS
+        min_new_tokens=search.min_len,  # as mtcli's search: no EOS before the first token (by default)
+        num_beams=config.decode.beam,
+        no_repeat_ngram_size=search.no_repeat_ngram,
+        max_length=config.model.max_positions,
+        mtcli_decode={k: getattr(config.decode, k) for k in ROUND_TRIP},  # `mtcli import` reads the run's search
+    )
+    if config.decode.beam > 1:
+        settings["length_penalty"] = search.lenpen  # power: score / length ** lenpen (GNMT's is not expressible)
+        settings["early_stopping"] = search.early_stopping
+    return settings
 
 
 def _hf_state_dict(model, reference: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -242,15 +251,31 @@ def export_ctranslate2(
     parity: ParityOptions | None = None,
     decode: DecodeConfig | None = None,
 ) -> Path:
-    """Write a CTranslate2 model directory (weights quantized as asked) with the SentencePiece model beside it (a new
-    or empty folder, or with `force` this export's own earlier output: see mtcli.outputs), and its parity report
-    against mtcli (refused past its thresholds). mtcli.json records the languages and the translate_batch
-    arguments of the run's search (CTranslate2 keeps no decode settings of its own); `decode` as in export_hf."""
-    ctranslate2 = _need("ctranslate2")
-    from ctranslate2.converters.converter import Converter
-
+    """Write a CTranslate2 model directory (see write_ctranslate2) to `out`: a new or empty folder, or with `force`
+    this export's own earlier output (see mtcli.outputs)."""
+    _need("ctranslate2")
     refuse_input_overlap(out, [checkpoint], "--out")
     check_folder_target(out, "export --format ctranslate2", force)
+    with new_folder(out, "export --format ctranslate2", force) as folder:
+        write_ctranslate2(checkpoint, folder, quantization, parity, decode, f"--out {out}")
+    logger.info(f"exported {checkpoint} to CTranslate2 ({quantization or 'float32'}) in {out}")
+    return out
+
+
+def write_ctranslate2(
+    checkpoint: Path,
+    folder: Path,
+    quantization: str | None = None,
+    parity: ParityOptions | None = None,
+    decode: DecodeConfig | None = None,
+    name: str = "export",
+) -> None:
+    """Fill `folder` (the converter empties it first) with a CTranslate2 model (weights quantized as asked), the
+    SentencePiece model beside it, and its parity report against mtcli (refused past its thresholds; `name` is how
+    the refusal names the export). mtcli.json records the languages and the translate_batch arguments of the run's
+    search (CTranslate2 keeps no decode settings of its own); `decode` as in export_hf."""
+    ctranslate2 = _need("ctranslate2")
+    from ctranslate2.converters.converter import Converter
 
     model, config, tokenizer = load_model(checkpoint, "cpu")
     config = replace(config, decode=decode or config.decode)
@@ -259,30 +284,28 @@ def export_ctranslate2(
         def _load(self):
             return _ctranslate2_spec(model, tokenizer, ctranslate2)
 
-    with new_folder(out, "export --format ctranslate2", force) as folder:
-        # the converter empties its output folder first (force=True): here that is the temporary folder, never `out`
-        MtcliConverter().convert(
-            str(folder), quantization=None if quantization in (None, "none") else quantization, force=True
-        )
-        tokenizer.copy_to(folder)  # spm.model, or spm.src.model and spm.tgt.model: the names a run directory uses
-        languages = {"src_lang": config.data.src_lang, "tgt_lang": config.data.tgt_lang}
-        search, _ = engine_settings(config.decode, "ctranslate2", config.model.max_positions)
-        translate_batch = {
-            "beam_size": config.decode.beam,
-            "length_penalty": search.lenpen,
-            "min_decoding_length": search.min_len,
-            "max_decoding_length": search.max_len,
-            "no_repeat_ngram_size": search.no_repeat_ngram,
-        }
-        meta = {"checkpoint": str(checkpoint), **languages, "src_prefix": config.data.src_prefix}
-        (folder / "mtcli.json").write_text(json.dumps(meta | {"translate_batch": translate_batch}, indent=1))
-        if parity is not None:
-            translator = parity_translator(checkpoint, config)
-            engine = CTranslate2Engine(folder, config.data.src_prefix, translator.max_src_tokens)
-            precision = quantization if quantization not in (None, "none") else "float32"
-            run_parity(translator, engine, "ctranslate2", precision, folder, f"--out {out}", parity)
-    logger.info(f"exported {checkpoint} to CTranslate2 ({quantization or 'float32'}) in {out}")
-    return out
+    # the converter empties its output folder first (force=True): a temporary folder, never the user's target
+    MtcliConverter().convert(
+        str(folder), quantization=None if quantization in (None, "none") else quantization, force=True
+    )
+    tokenizer.copy_to(folder)  # spm.model, or spm.src.model and spm.tgt.model: the names a run directory uses
+    languages = {"src_lang": config.data.src_lang, "tgt_lang": config.data.tgt_lang}
+    search, _ = engine_settings(config.decode, "ctranslate2", config.model.max_positions)
+    translate_batch = {
+        "beam_size": config.decode.beam,
+        "length_penalty": search.lenpen,
+        "min_decoding_length": search.min_len,
+        "max_decoding_length": search.max_len,
+        "no_repeat_ngram_size": search.no_repeat_ngram,
+    }
+    meta = {"checkpoint": str(checkpoint), **languages, "src_prefix": config.data.src_prefix}
+    text = json.dumps(meta | {"translate_batch": translate_batch}, indent=1, ensure_ascii=False)
+    (folder / "mtcli.json").write_text(text, encoding="utf-8")
+    if parity is not None:
+        translator = parity_translator(checkpoint, config)
+        engine = CTranslate2Engine(folder, config.data.src_prefix, translator.max_src_tokens)
+        precision = quantization if quantization not in (None, "none") else "float32"
+        run_parity(translator, engine, "ctranslate2", precision, folder, name, parity)
 
 
 def parity_translator(checkpoint: Path, config) -> Translator:

@@ -317,8 +317,26 @@ def copy_tokenizer_files(folder: Path, root: Path, separate: bool, out: Path) ->
     if missing:
         raise MtcliError(f"{folder}: missing {', '.join(missing)} (a MarianMT tokenizer needs {', '.join(names)})")
     for name in names:
+        if name.endswith(".json"):
+            check_vocab_json(inside(folder / name, root))
         shutil.copyfile(inside(folder / name, root), out / name)
     return [out / name for name in names]
+
+
+def check_vocab_json(path: Path) -> None:
+    """A vocabulary file is a JSON object of pieces to whole-number ids (MarianTokenizer's layout); anything else
+    is refused here, naming the model's own file (the tokenizer checks the ids themselves later)."""
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise MtcliError(f"{path}: not valid JSON ({error_text(e)})") from None
+    expected = 'a JSON object of pieces to ids, {"</s>": 0, "<unk>": 1, ...} (as MarianTokenizer writes it)'
+    if not isinstance(vocab, dict):
+        kind = {list: "an array", str: "a string"}.get(type(vocab), "a single value")
+        raise MtcliError(f"{path}: expected {expected}, found {kind}")
+    wrong = next((piece for piece, i in vocab.items() if type(i) is not int), None)
+    if wrong is not None:
+        raise MtcliError(f"{path}: expected {expected}; the id of {wrong[:40]!r} is not a whole number")
 
 
 def import_marian(
@@ -354,6 +372,8 @@ def import_marian(
         except (RuntimeError, OSError, ValueError) as e:  # sentencepiece: "could not parse ModelProto", ...
             reason = error_text(e).replace(str(work), str(folder))
             raise MtcliError(f"{folder}: its tokenizer files (source.spm, target.spm) do not load ({reason})") from None
+        except MtcliError as e:  # a vocabulary's ids: named as the model's own file, not the temporary copy
+            raise MtcliError(str(e).replace(str(work), str(folder))) from None
         checkpoint = _import_into(
             work, out.name, folder, hf, hf_sd, tokenizer_config, generation, tokenizer, separate, source
         )

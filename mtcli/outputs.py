@@ -10,13 +10,20 @@ before anything is opened.
 
 Files (`translate --output`, `eval --sentence-scores`, `attention --out`) carry no manifest: an existing non-empty
 file is replaced only with `--force`, through a temporary sibling renamed over it when the command has succeeded.
+
+A temporary sibling is named `.<target>.tmp-<pid>` (a work folder `.<target>.work-<pid>`): a command killed before
+it cleaned up (SIGKILL, a crash) leaves one, and the next command writing to that target removes it once its process
+is gone (the rule `data prepare` follows for its work folders). A full disk while writing is one line naming the
+target, which is left as it was.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -24,8 +31,10 @@ from pathlib import Path
 from typing import TextIO
 
 from mtcli.errors import MtcliError
+from mtcli.log import logger
 
 MANIFEST = ".mtcli-output.json"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left on the device; the user's disk quota is used up
 
 
 def _resolved(path: Path) -> Path:
@@ -54,7 +63,7 @@ def read_manifest(folder: Path) -> dict | None:
     return manifest if isinstance(manifest, dict) and isinstance(manifest.get("command"), str) else None
 
 
-def _files_under(folder: Path) -> list[str]:
+def files_under(folder: Path) -> list[str]:
     """Every file and link below `folder`, as sorted relative paths (empty folders are not content)."""
     found = []
     for root, dirs, files in os.walk(folder):
@@ -84,7 +93,7 @@ def check_folder_target(target: Path, command: str, force: bool, option: str = "
             "new folder"
         )
     listed = set(manifest.get("files", [])) | {MANIFEST}
-    foreign = [f for f in _files_under(target) if f not in listed]
+    foreign = [f for f in files_under(target) if f not in listed]
     if foreign:
         raise MtcliError(
             f"{option} {target}: holds {foreign[0]}, which `mtcli {command}` did not write; --force replaces only "
@@ -105,15 +114,18 @@ def new_folder(target: Path, command: str, force: bool = False, option: str = "-
     try:
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_siblings(target)
             shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only (the pid is in the name)
             tmp.mkdir()
         except OSError as e:
             raise MtcliError(f"{option} {target}: cannot write there ({e.strerror})") from None
-        yield tmp
-        files = [f for f in _files_under(tmp) if f != MANIFEST]
-        (tmp / MANIFEST).write_text(json.dumps({"command": command, "files": files}, indent=1), encoding="utf-8")
-        _usual_permissions(tmp, files, (tmp / MANIFEST).stat().st_mode & 0o777)
-        _durable(tmp)
+        with _disk_full_names(target, option):
+            yield tmp
+            files = [f for f in files_under(tmp) if f != MANIFEST]
+            manifest = json.dumps({"command": command, "files": files}, indent=1, ensure_ascii=False)
+            (tmp / MANIFEST).write_text(manifest, encoding="utf-8")
+            _usual_permissions(tmp, files, (tmp / MANIFEST).stat().st_mode & 0o777)
+            _durable(tmp)
         check_folder_target(target, command, force, option)  # again: something may have appeared meanwhile
         _replace_folder(tmp, target)
         done = True
@@ -131,6 +143,46 @@ def _usual_permissions(folder: Path, files: list[str], mode: int) -> None:
         path = folder / name
         if path.is_file() and not path.is_symlink() and path.stat().st_mode & 0o777 != mode:
             path.chmod(mode)
+
+
+@contextmanager
+def _disk_full_names(target: Path, option: str) -> Iterator[None]:
+    """A full disk (or quota) while the block writes `target`'s temporary sibling: one line naming the target."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in DISK_FULL:
+            raise
+        reason = os.strerror(e.errno).lower()
+        raise MtcliError(
+            f"{option} {target}: {reason} while writing it; nothing was written there (an existing one is as it was): "
+            "free some space and run the command again"
+        ) from None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_siblings(target: Path) -> None:
+    """Remove the temporary siblings of `target` (`.<name>.tmp-<pid>`, or a `.work-<pid>` folder; files or folders)
+    whose process is gone: what a command writing there left when it was killed. One still running keeps its own."""
+    stale = re.compile(rf"\.{re.escape(target.name)}\.(tmp|work)-(\d+)")
+    for path in target.parent.iterdir():
+        match = stale.fullmatch(path.name)
+        if match is None or pid_alive(int(match[2])) or path.is_symlink():
+            continue
+        logger.info(f"removing {path}, left by an mtcli command that was stopped (process {match[2]} is gone)")
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
 
 
 @contextmanager
@@ -221,7 +273,9 @@ def new_file(
     target = _resolved(target)
     check_file_target(target, force, inputs, option)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_disk_full_names(target, option))  # outermost: the final flush and fsync count too
         try:
+            remove_stale_siblings(target)
             handle = stack.enter_context(_replaced_when_done(target, binary))
         except OSError as e:
             raise MtcliError(f"{option} {target}: cannot write ({e.strerror})") from None
@@ -255,4 +309,4 @@ def mark_run_dir(run_dir: Path, command: str) -> None:
     """A run's manifest names the command that made it; runs grow, so it lists no files."""
     path = Path(run_dir) / MANIFEST
     if read_manifest(run_dir) is None:
-        path.write_text(json.dumps({"command": command}), encoding="utf-8")
+        path.write_text(json.dumps({"command": command}, ensure_ascii=False), encoding="utf-8")

@@ -10,28 +10,39 @@ other reduced precisions: the same quality), and an export past them is refused 
 Settings an engine cannot express (mtcli's length limit a * source + b, GNMT length normalization, and in
 CTranslate2 the patient beam stopping rule) are replaced on mtcli's side by what the engine does, and listed, so the
 comparison isolates the conversion; where the run's own beam search differs, one more row says by how much.
+
+The report records the size and sha256 of every file of the export it describes (`files`), so `mtcli verify`
+can tell later whether the folder (or .argosmodel package) is still the one that was checked.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import io
 import json
 import os
+import time
 import warnings
+import zipfile
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import BinaryIO
 
 from mtcli.config import DecodeConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError, error_text
 from mtcli.line_io import read_lines
-from mtcli.log import logger
+from mtcli.log import counted, format_duration, logger
+from mtcli.outputs import MANIFEST, files_under
 from mtcli.scoring import score
 from mtcli.tokenizer import Tokenizer
 
 PROBE_LINES = 500  # lines of the valid split in a probe: enough to see a 1% difference, seconds to translate
 REPEAT_TIMES = 4  # an output "repeats" when some 1-4 subword n-gram occurs this many times in a row
 FLOAT32 = "float32"  # the engine precision held to line identity; the others to equal quality
+REPORT = "parity.json"
 
 
 @dataclass
@@ -229,13 +240,18 @@ class TransformersEngine:
         for start in range(0, len(order), 32):
             batch = [order[i] for i in range(start, min(start + 32, len(order)))]
             inputs = self.tokenizer([lines[i] for i in batch], return_tensors="pt", padding=True, truncation=True)
-            # every setting given: the folder's generation_config.json holds the run's own, which may differ
+            # every setting given: the folder's generation_config.json holds the run's own, which may differ. At
+            # beam 1 the beam-only settings get their neutral values (any other one draws a warning per call), and
+            # the limit is max_length (decoder start + s.max_len): max_new_tokens beside the config's max_length
+            # draws another
             options = dict(num_beams=beam, length_penalty=s.lenpen, early_stopping=s.early_stopping)
+            if beam == 1:
+                options = dict(num_beams=1, length_penalty=1.0, early_stopping=False)
             with self.torch.inference_mode():
                 generated = self.model.generate(
                     **inputs,
                     do_sample=False,
-                    max_new_tokens=s.max_len,
+                    max_length=s.max_len + 1,
                     min_new_tokens=s.min_len,
                     no_repeat_ngram_size=s.no_repeat_ngram,
                     **options,
@@ -255,15 +271,21 @@ def parity_report(translator, engine, target: str, precision: str, probe: Probe)
     decode = translator.config.decode
     settings, notes = engine_settings(decode, target, translator.config.model.max_positions)
     tgt_lang = translator.config.data.tgt_lang
+    differs = decode.length_norm != "power" or decode.early_stopping != settings.early_stopping
+    own_search = decode.lenpen > 0 and differs  # what a user of the export sees against `mtcli translate`
+    passes = 4 + own_search
+    searches = f"greedy and beam {settings.beam}" + (", and the run's own search" if own_search else "")
+    logger.info(f"parity: translating {counted(len(probe.sources), 'probe line')} {passes} times ({searches})")
+    timed = _PassTimer(passes, len(probe.sources))
     rows = []
     for beam in (1, settings.beam):
-        ours = translator.translate(probe.sources, mtcli_decode(decode, settings, beam))
-        theirs = engine.translate(probe.sources, settings, beam)
         mode = "greedy" if beam == 1 else f"beam {beam}"
+        ours = timed(f"mtcli {mode}", translator.translate, probe.sources, mtcli_decode(decode, settings, beam))
+        theirs = timed(f"{target} {mode}", engine.translate, probe.sources, settings, beam)
         rows.append(compare(mode, ours, theirs, probe, tgt_lang, translator.tokenizer))
-        differs = decode.length_norm != "power" or decode.early_stopping != settings.early_stopping
-        if beam > 1 and decode.lenpen > 0 and differs:  # what a user of the export sees against `mtcli translate`
-            own = translator.translate(probe.sources, replace(decode, beam=beam, nbest=1, sampling=False))
+        if beam > 1 and own_search:
+            own_decode = replace(decode, beam=beam, nbest=1, sampling=False)
+            own = timed(f"mtcli {mode}, run's search", translator.translate, probe.sources, own_decode)
             rows.append(compare(f"{mode}, run's search", own, theirs, probe, tgt_lang, translator.tokenizer, False))
     report = {
         "engine": target,
@@ -278,6 +300,22 @@ def parity_report(translator, engine, target: str, precision: str, probe: Probe)
     }
     report["failures"] = failures(rows, precision)
     return report
+
+
+class _PassTimer:
+    """Runs one translation pass of the report and logs a line when it is done: a probe of 500 lines takes minutes
+    on a busy machine, and the table comes only at the end."""
+
+    def __init__(self, passes: int, lines: int):
+        self.passes, self.lines, self.done = passes, lines, 0
+
+    def __call__(self, name: str, translate, *args) -> list[str]:
+        began = time.time()
+        out = translate(*args)
+        self.done += 1
+        took = format_duration(time.time() - began)
+        logger.info(f"parity: {self.done}/{self.passes} {name}: {counted(self.lines, 'line')} in {took}")
+        return out
 
 
 def compare(mode, ours, theirs, probe: Probe, tgt_lang, tokenizer, checked=True) -> Row:
@@ -369,10 +407,12 @@ def format_report(report: dict) -> list[str]:
 
 
 def check_and_write(report: dict, folder: Path, name: str, check: bool) -> None:
-    """Print the report, write it to folder/parity.json, and refuse past the thresholds (unless not `check`)."""
+    """Print the report, write it to folder/parity.json with a record of every file already in `folder` (see
+    file_records), and refuse past the thresholds (unless not `check`)."""
     for line in format_report(report):
         logger.info(line)
-    (folder / "parity.json").write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    report["files"] = file_records(folder)
+    write_report(report, folder / REPORT)
     if report["failures"] and check:
         raise MtcliError(
             f"{name}: the export does not translate as mtcli does ({'; '.join(report['failures'][:3])}); nothing "
@@ -420,3 +460,86 @@ def quiet_transformers(transformers):
     finally:
         if bars:
             transformers.utils.logging.enable_progress_bar()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The files a report describes
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.write_text(report_text(report), encoding="utf-8")
+
+
+def report_text(report: dict) -> str:
+    return json.dumps(report, indent=1, ensure_ascii=False) + "\n"  # sentences in any script, as they are
+
+
+def file_record(handle: BinaryIO | bytes) -> dict:
+    """{"bytes": size, "sha256": hex digest} of an open binary file (read to its end) or of bytes."""
+    handle = io.BytesIO(handle) if isinstance(handle, bytes) else handle
+    digest, size = hashlib.sha256(), 0
+    while chunk := handle.read(1 << 20):
+        digest.update(chunk)
+        size += len(chunk)
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def file_records(folder: Path) -> dict[str, dict]:
+    """The record of every file below `folder` (by relative path) but the report itself and the output manifest:
+    the files the report vouches for."""
+    records = {}
+    for name in files_under(folder):
+        if name not in (REPORT, MANIFEST) and not (folder / name).is_symlink():
+            with open(folder / name, "rb") as f:
+                records[name] = file_record(f)
+    return records
+
+
+def verify_export(path: Path) -> tuple[list[str], list[str], int]:
+    """Check an export folder (or an .argosmodel package) against the files its parity.json records: (one line per
+    recorded file that is missing or differs, files present that the report does not record, files recorded)."""
+    path = Path(path)
+    with contextlib.ExitStack() as stack:
+        # each file present, by its path inside the export -> a function that opens it for reading bytes
+        if path.is_dir():
+            names = [n for n in files_under(path) if n != MANIFEST and (path / n).is_file()]
+            present = {n: partial(open, path / n, "rb") for n in names}
+        elif path.is_file() and zipfile.is_zipfile(path):
+            package = stack.enter_context(zipfile.ZipFile(path))
+            members = [m for m in package.namelist() if not m.endswith("/")]
+            if len({m.split("/")[0] for m in members}) != 1 or not all("/" in m for m in members):
+                raise MtcliError(f"{path}: not an .argosmodel package (one folder at its top)")
+            present = {m.split("/", 1)[1]: partial(package.open, m) for m in members}
+        else:
+            raise MtcliError(f"{path}: no such export folder or .argosmodel package")
+        if REPORT not in present:
+            raise MtcliError(f"{path}: holds no {REPORT}; give the folder (or package) an mtcli export wrote")
+        try:
+            with present[REPORT]() as f:
+                report = json.loads(f.read().decode("utf-8"))
+        except (OSError, zipfile.BadZipFile, UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise MtcliError(f"{path}: its {REPORT} is not readable JSON ({error_text(e)})") from None
+        records = report.get("files") if isinstance(report, dict) else None
+        if not isinstance(records, dict) or not records:
+            raise MtcliError(
+                f"{path}: its {REPORT} records no files (an export by an older mtcli): export again to check it later"
+            )
+        problems = []
+        for name, record in sorted(records.items()):
+            if name not in present:
+                problems.append(f"{name}: missing")
+                continue
+            try:
+                with present[name]() as f:
+                    found = file_record(f)
+            except (OSError, zipfile.BadZipFile) as e:  # a damaged package member fails its CRC check
+                problems.append(f"{name}: unreadable ({error_text(e)})")
+                continue
+            if found != record:
+                recorded = record if isinstance(record, dict) else {}
+                problems.append(
+                    f"{name}: differs from the report ({found['bytes']} bytes, sha256 {found['sha256'][:16]}...; "
+                    f"recorded {recorded.get('bytes')} bytes, sha256 {str(recorded.get('sha256'))[:16]}...)"
+                )
+        unrecorded = sorted(set(present) - set(records) - {REPORT})
+        return problems, unrecorded, len(records)

@@ -52,6 +52,35 @@ def test_help_shows_extras_and_plain_types_and_a_bare_command_exits_0():
         assert result.exit_code == 0 and "Usage:" in result.output and "Commands" in result.output, result.output
 
 
+def test_import_help_says_what_it_writes_and_export_formats_take_their_aliases():
+    assert "Write the run even where" in invoke("import", "--help").output  # not "the export"
+    for name in ("onnx", "ct3"):
+        with pytest.raises(MtcliError, match=f"--format {name}: choose hf, ctranslate2 or argos"):
+            runner.invoke(app, ["export", "--format", name, "--out", "x"], catch_exceptions=False)
+
+
+def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys):
+    """An OSError for a full disk or quota that no command turned into its own line: one line naming the path."""
+    import errno
+
+    import mtcli.cli
+
+    for code, filename in ((errno.ENOSPC, "/data/runs/x/metrics.jsonl"), (errno.EDQUOT, None)):
+
+        def full(code=code, filename=filename):
+            raise OSError(code, "No space left on device", filename)
+
+        monkeypatch.setattr(mtcli.cli, "app", full)
+        with pytest.raises(SystemExit) as exit_:
+            mtcli.cli.main()
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.count("\n") == 1 and err.startswith("error: "), err
+        assert filename is None or filename in err
+    monkeypatch.setattr(mtcli.cli, "app", lambda: open("/nonexistent-folder/x", "w"))
+    with pytest.raises(FileNotFoundError):  # any other OSError is not dressed up as a full disk
+        mtcli.cli.main()
+
+
 @pytest.mark.slow
 def test_errors_are_one_line_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
@@ -150,8 +179,13 @@ def test_validation_bleu_is_eval_bleu(toy_run):
 def test_average_last_checkpoints(toy_run, tmp_path):
     found = list_checkpoints(toy_run)
     assert len(found) >= 2
-    out = Path(invoke("average", "--run", toy_run, "--last", "2", "--output", tmp_path / "avg").stdout.strip())
+    result = invoke("average", "--run", toy_run, "--last", "2", "--out", tmp_path / "avg")
+    out = Path(result.stdout.strip())
+    assert out == tmp_path / "avg" and "deprecated" not in result.output
     assert invoke("translate", "--checkpoint", out, "I love apples").stdout == "我喜欢苹果\n"
+    old_name = invoke("average", "--run", toy_run, "--last", "2", "--output", tmp_path / "old")  # for one release
+    assert Path(old_name.stdout.strip()) == tmp_path / "old" and (tmp_path / "old" / "model.safetensors").is_file()
+    assert [line for line in old_name.stderr.splitlines() if "--output is deprecated" in line and "--out" in line]
     for last, message in ((99, "fewer than --last 99"), (0, "--last 0: average at least 1")):
         proc = subprocess.run(
             [sys.executable, "-m", "mtcli", "average", "--run", str(toy_run), "--last", str(last)],

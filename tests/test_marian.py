@@ -336,6 +336,29 @@ def test_bad_inputs_are_refused_in_one_line(tmp_path, monkeypatch):
         resolve_source("Helsinki-NLP/opus-mt-en-de")
 
 
+def test_a_vocabulary_that_is_not_an_object_is_refused_naming_the_file(tmp_path):
+    """vocab.json (or target_vocab.json) as a list, or with ids that are not whole numbers: one line naming the
+    model's own file, and nothing written."""
+    from mtcli.errors import MtcliError
+    from mtcli.marian import import_marian
+
+    folder = tmp_path / "hf"
+    build_marian(folder, separate=True, seed=3)
+    vocab = json.loads((folder / "vocab.json").read_text())
+    for name, bad, expected in (
+        ("vocab.json", sorted(vocab, key=vocab.get), "found an array"),
+        ("target_vocab.json", ["</s>", "<unk>"], "found an array"),
+        ("vocab.json", {**vocab, "<unk>": "1"}, "'<unk>' is not a whole number"),
+    ):
+        original = (folder / name).read_text()
+        (folder / name).write_text(json.dumps(bad))
+        with pytest.raises(MtcliError) as error:
+            import_marian(str(folder), tmp_path / "out")
+        assert str(error.value).startswith(f"{folder / name}: expected a JSON object") and expected in str(error.value)
+        assert not (tmp_path / "out").exists()
+        (folder / name).write_text(original)
+
+
 def refused_in_process(good: Path, tmp_path: Path, monkeypatch) -> None:
     """Hostile or damaged model folders, each refused with one line before a model of the size they claim is built
     and before anything is written; and a Hub that accepts connections but never answers."""

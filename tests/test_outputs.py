@@ -65,7 +65,7 @@ def folder_commands(toy_run, hf_source):
             out,
             *extra,
         ),
-        "average": lambda out, *extra: ("average", "--run", toy_run, "--last", "2", "--output", out, *extra),
+        "average": lambda out, *extra: ("average", "--run", toy_run, "--last", "2", "--out", out, *extra),
     }
     if hf_source is not None:
         commands["import"] = lambda out, *extra: ("import", "--hf", hf_source, "--out", out, *extra)
@@ -208,3 +208,68 @@ def test_train_refuses_a_folder_that_is_not_a_run_and_a_name_that_is_a_path(tmp_
         error = run_cli("train", "--config", "toy.yaml", "--set", f"name={name}", *sets)
         assert isinstance(error, MtcliError) and "plain run name" in str(error), name
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path.parent / "up").exists()
+
+
+def _dead_pid() -> int:
+    """The id of a process that has ended (reused this soon only on a machine that cycles through every id)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", ""])
+    child.wait()
+    return child.pid
+
+
+def test_a_killed_writers_temporary_sibling_is_removed_by_the_next_writer_there(tmp_path, log):
+    """A command killed mid-write leaves `.<target>.tmp-<pid>` (or argos' `.work-<pid>`): the next folder or file
+    writer to that target removes it when its process is gone, and keeps one whose process still runs (a command
+    writing there now) and siblings of other targets."""
+    from mtcli.outputs import new_file, new_folder
+
+    dead, alive = _dead_pid(), os.getppid()
+    left = {
+        "folder": tmp_path / f".export.tmp-{dead}",
+        "work": tmp_path / f".toy.argosmodel.work-{dead}",
+        "running": tmp_path / f".export.tmp-{alive}",
+        "other": tmp_path / f".another.tmp-{dead}",
+    }
+    for folder in left.values():
+        folder.mkdir()
+        (folder / "model.bin").write_bytes(b"half a model")
+    stale_file = tmp_path / f".out.zh.tmp-{dead}"
+    stale_file.write_text("half the translations\n")
+    with new_folder(tmp_path / "export", "export --format hf") as folder:
+        (folder / "config.json").write_text("{}")
+    assert not left["folder"].exists() and left["running"].is_dir() and left["other"].is_dir()
+    assert any(f"process {dead} is gone" in line for line in log)
+    with new_file(tmp_path / "out.zh") as handle:
+        handle.write("translations\n")
+    assert not stale_file.exists() and (tmp_path / "out.zh").read_text() == "translations\n"
+    with new_file(tmp_path / "toy.argosmodel", binary=True) as handle:
+        handle.write(b"PK")
+    assert not left["work"].exists() and left["running"].is_dir()
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_translating_to_a_file_is_one_line_and_the_file_is_kept(tmp_path, toy_run, monkeypatch):
+    import errno
+
+    import mtcli.line_io
+
+    source, out = tmp_path / "in.en", tmp_path / "out.zh"
+    source.write_text("I love apples\nthe cat\n")
+    out.write_text("yesterday's translations\n")
+    write = mtcli.line_io.write_translations
+
+    def disk_full(translator, chunks, decode, handle, total):
+        write(translator, chunks, decode, handle, total)
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write or flush past the last free block
+
+    monkeypatch.setattr(mtcli.line_io, "write_translations", disk_full)
+    error = run_cli("translate", "--run", toy_run, "--input", source, "--output", out, "--force")
+    assert isinstance(error, MtcliError) and "\n" not in str(error), error
+    assert str(out) in str(error) and "no space left" in str(error)
+    assert out.read_text() == "yesterday's translations\n" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "in.en",
+        "out.zh",
+    ]

@@ -3,9 +3,11 @@
 is refused in one line and leaves nothing; the .argosmodel package installs in the real argostranslate and
 translates as the CTranslate2 export does."""
 
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,6 +17,7 @@ import torch
 from conftest import invoke
 from typer.testing import CliRunner
 
+from mtcli.checkpoint import best_checkpoint
 from mtcli.cli import app
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
@@ -109,6 +112,53 @@ def test_an_export_whose_outputs_collapse_is_refused_and_leaves_nothing(toy_run,
     invoke("export", "--run", toy_run, "--format", "ctranslate2", "--quantization", "int8", "--out", out, "--no-check")
     report = json.loads((out / "parity.json").read_text())
     assert report["failures"] and (out / "model.bin").is_file()
+
+
+def test_an_export_records_its_files_and_verify_names_each_one_that_changed(toy_run, tmp_path):
+    """parity.json holds the size and sha256 of every file of the export it describes; `mtcli verify` passes an
+    intact folder, names each changed or missing file on a line of its own (status 2) and lists files the report
+    does not know. The format's short name in any case is taken; JSON keeps a Chinese path as it is."""
+    pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    checkpoint = tmp_path / "模型" / "best"
+    shutil.copytree(best_checkpoint(toy_run), checkpoint)
+    out = tmp_path / "ct2"
+    invoke("export", "--checkpoint", checkpoint, "--format", "CT2", "--out", out, "--probe-lines", "10")
+    assert "模型" in (out / "mtcli.json").read_text(encoding="utf-8")
+    report = json.loads((out / "parity.json").read_text(encoding="utf-8"))
+    assert report["engine"] == "ctranslate2" and {"model.bin", "spm.model", "mtcli.json"} <= set(report["files"])
+    data = (out / "model.bin").read_bytes()
+    assert report["files"]["model.bin"] == {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert "the 5 files parity.json records are intact" in invoke("verify", out).stdout
+    (out / "model.bin").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of one weight
+    (out / "spm.model").unlink()
+    (out / "notes.txt").write_text("mine\n")
+    result = CliRunner().invoke(app, ["verify", str(out)])
+    assert isinstance(result.exception, MtcliError) and "2 of 5 files differ" in str(result.exception)
+    lines = result.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["notes.txt", "model.bin", "spm.model"], lines
+    assert "not in parity.json" in lines[0] and "differs" in lines[1] and "missing" in lines[2]
+    assert "no such export" in refused("verify", tmp_path / "nowhere")
+
+
+def test_an_argos_package_is_bound_to_its_report_and_the_export_names_the_package(toy_run, tmp_path):
+    """The package's parity.json records its own files (model/, sentencepiece.model, metadata.json, ...); the
+    command prints the package's path, never the work folder it was built in, which is gone."""
+    pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    package = tmp_path / "toy.argosmodel"
+    result = invoke("export", "--run", toy_run, "--format", "Argos", "--out", package, "--probe-lines", "10")
+    printed = result.output
+    assert result.stdout == f"{package}\n" and f"package (en -> zh) to {package}" in printed
+    assert ".work-" not in printed and "mtcli-argos" not in printed and sorted(tmp_path.iterdir()) == [package]
+    assert "intact" in invoke("verify", package).stdout
+    with zipfile.ZipFile(package) as z:
+        members = {name: z.read(name) for name in z.namelist()}
+    report = json.loads(members["translate-en_zh-1_0/parity.json"])
+    assert {"model/model.bin", "sentencepiece.model", "metadata.json", "README.md"} <= set(report["files"])
+    members["translate-en_zh-1_0/README.md"] += b"\nedited\n"
+    with zipfile.ZipFile(package, "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    assert "README.md: differs" in CliRunner().invoke(app, ["verify", str(package)]).stdout
 
 
 def test_repeats_and_stress_lines(toy_run):
