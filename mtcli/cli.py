@@ -174,9 +174,10 @@ def data_synthesize(
     precision: str = PrecisionOpt,
     chunk_lines: int = typer.Option(2000, "--chunk-lines", help="Lines per resumable chunk."),
     max_ratio: float = typer.Option(
-        3.0,
+        None,
         "--max-ratio",
-        help="Drop pairs whose longer side is this many times the shorter, in the teacher's subwords (0: off).",
+        help="Drop pairs whose longer side is this many times the shorter, in the teacher's subwords (characters for "
+        "an HTTP teacher; 0: off). Default: --config's data.max_ratio, else 3.",
     ),
     min_score: float = typer.Option(
         None, "--min-score", help="Drop pairs under this teacher log-probability per subword."
@@ -188,6 +189,14 @@ def data_synthesize(
     tgt_lang: str = typer.Option(None, "--tgt-lang", help="An HTTP teacher's target language (default: --config's)."),
     api_key: str = typer.Option(None, "--api-key", help="An HTTP teacher's API key."),
     retries: int = typer.Option(5, help="Retries of a failed HTTP request, with exponential backoff."),
+    timeout: float = typer.Option(
+        120.0,
+        "--timeout",
+        help="Seconds one HTTP request may take as a whole (connecting, the server's work, reading the answer). A "
+        "request gives up after at most timeout x (retries + 1) plus the waits between tries (0.5, 1, 2, ... s with "
+        "up to 25% jitter, at most 30 s each; a server's Retry-After up to 60 s instead): 12 to 17 min at the "
+        "defaults.",
+    ),
     device: str = DeviceOpt,
     force: bool = ForceOpt,
 ):
@@ -201,13 +210,14 @@ def data_synthesize(
     """
     from mtcli.config_loader import load_config
     from mtcli.outputs import refuse_input_overlap
-    from mtcli.synthetic import Filters, file_lines, is_url, open_teacher, split_lines, synthesize
+    from mtcli.synthetic import Filters, file_lines, split_lines, synthesize
+    from mtcli.teachers import is_url, open_teacher
 
     if (input_file is None) == (config is None):
         raise MtcliError("give --input FILE or --config CONFIG (one of them): the text the teacher translates")
     if chunk_lines < 1:
         raise MtcliError(f"--chunk-lines {chunk_lines}: must be positive")
-    if not (max_ratio == 0 or max_ratio >= 1) or not 0 <= drop_worst < 1:
+    if not (max_ratio is None or max_ratio == 0 or max_ratio >= 1) or not 0 <= drop_worst < 1:
         raise MtcliError("--max-ratio must be 0 (off) or at least 1, --drop-worst at least 0 and under 1")
     refuse_input_overlap(out, [input_file, *(t for t in teachers if not is_url(t))], "--out")
     cfg = load_config(config, overrides or []) if config else None
@@ -216,9 +226,10 @@ def data_synthesize(
         langs = (None, None)  # a run knows its languages; split_lines checks they fit the config's data
     options = dict(beam=beam, lenpen=lenpen, sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
     options |= dict(precision=precision)
-    teacher = open_teacher(teachers, langs, [], device, api_key, retries, **options)
+    teacher = open_teacher(teachers, langs, [], device, api_key, retries, timeout, **options)
     lines = split_lines(cfg, split, teacher.src_lang) if cfg else file_lines(input_file)
-    synthesize(teacher, lines, out, chunk_lines, Filters(max_ratio, min_score, drop_worst), force)
+    ratio = max_ratio if max_ratio is not None else (cfg.data.max_ratio if cfg else 3.0)
+    synthesize(teacher, lines, out, chunk_lines, Filters(ratio, min_score, drop_worst), force)
     print(out)
 
 
@@ -258,6 +269,13 @@ def distill(
     mono: Path = typer.Option(None, "--mono", help="Monolingual source text to distil as well, one sentence a line."),
     run_dir: Path = typer.Option(None, "--run-dir", help="Run directory (default: runs/<config name>)."),
     device: str = DeviceOpt,
+    timeout: float = typer.Option(
+        120.0,
+        "--timeout",
+        help="An HTTP teacher: seconds one request may take as a whole. With its 5 retries a request gives up after "
+        "at most timeout x 6 plus the waits between tries (at most 30 s each, or a Retry-After up to 60 s): 12 to "
+        "17 min at the default.",
+    ),
 ):
     """The student's config (its model, its data and a distill section) trained on the teacher's translations of
     its training sources: synthesize, train, average, score teacher and student with paired tests, export to
@@ -270,7 +288,7 @@ def distill(
     from mtcli.distill import distill as run_distill
 
     cfg = load_config(config, overrides or [])
-    card = run_distill(cfg, teachers, run_dir, mono, device)
+    card = run_distill(cfg, teachers, run_dir, mono, device, timeout)
     if card is None:
         logger.warning("interrupted: run the same command again to continue")
         raise typer.Exit(130)

@@ -45,7 +45,8 @@ from mtcli.outputs import MANIFEST, read_manifest, write_file_atomic
 from mtcli.parity import ParityOptions
 from mtcli.rundir import RunLock
 from mtcli.scoring import ScoreOptions, score, score_files, write_lines
-from mtcli.synthetic import HTTP_TIMEOUT, Filters, file_lines, is_url, open_teacher, split_lines, synthesize
+from mtcli.synthetic import Filters, file_lines, split_lines, synthesize
+from mtcli.teachers import HTTP_TIMEOUT, is_url, open_teacher
 from mtcli.tokenizer import Tokenizer
 from mtcli.train import plain_run_name, train
 from mtcli.translate import Translator, load_translator

@@ -33,7 +33,8 @@ from mtcli.data import prepare
 from mtcli.distill import synthesis_filters
 from mtcli.errors import MtcliError
 from mtcli.mixture import epoch_examples
-from mtcli.synthetic import Filters, ModelTeacher, file_lines, open_teacher, synthesize
+from mtcli.synthetic import Filters, file_lines, synthesize
+from mtcli.teachers import ModelTeacher, open_teacher
 from mtcli.tokenizer import Tokenizer
 from mtcli.toy import _all_pairs, toy_pairs
 
@@ -454,6 +455,23 @@ def test_a_trickling_teacher_ends_at_the_deadline_in_one_line(route):
     message = str(info.value)
     assert message.startswith(f"teacher {teacher.url}{route}: unreachable after 1 try (no complete answer within 1 s)")
     assert took < 3, f"a 1 s deadline took {took:.1f} s"
+
+
+def test_the_timeout_option_bounds_a_trickling_teacher_through_the_command(tmp_path):
+    """`mtcli data synthesize --timeout 1 --retries 0`: the one-line error, within the deadline's bound."""
+    from mtcli.cli import app
+
+    source = tmp_path / "in.en"
+    source.write_text("I love apples\n", encoding="utf-8")
+    with FakeTeacher(lambda texts: trickle("/translate"), EN_ZH) as teacher:
+        started = time.monotonic()
+        args = ["data", "synthesize", "--teacher", teacher.url, "--src-lang", "en", "--tgt-lang", "zh"]
+        args += ["--input", str(source), "--out", str(tmp_path / "out"), "--timeout", "1", "--retries", "0"]
+        result = CliRunner().invoke(app, args)
+        took = time.monotonic() - started
+    assert isinstance(result.exception, MtcliError), result.output  # the CLI's main prints it on one line, exit 2
+    assert "no complete answer within 1 s" in str(result.exception)
+    assert took < 5 and not (tmp_path / "out").exists()
 
 
 HOSTILE = {
