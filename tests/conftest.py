@@ -1,14 +1,93 @@
-"""Fixtures shared by the test files: the real corpora in ../shared/data, and a tiny corpus made on the spot."""
+"""Fixtures shared by the test files (the real corpora in ../shared/data, a tiny corpus made on the spot, trained
+toy models), and the test tiers:
+
+    unit    (no marker)           seconds each; no model training, no subprocess, no shared corpora: `make test-fast`
+    model   @pytest.mark.model    trains a toy model, or uses a fixture that does
+    system  @pytest.mark.system   starts processes or servers, or reads the shared corpora
+
+A fixture that trains is declared with `@training_fixture(...)` instead of `@pytest.fixture(...)`: collection fails
+when a test that uses it (directly or through other fixtures) is marked neither model nor system, and a unit test
+that starts a training run anyway fails at once.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 from pathlib import Path
 
-import pytest
-from typer.testing import CliRunner
+# OpenMP threads that wait spin before they sleep; on a machine shared by more threads than cores that spinning
+# takes the cores from the threads with work (mtcli sets the same for its own commands, mtcli/__init__.py). Set
+# before torch (and its OpenMP runtime) loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+TIERS = ("model", "system")
+TRAINING_FIXTURES: set[str] = set()
+
+
+def training_fixture(*args, **kwargs):
+    """pytest.fixture for a fixture that trains a model: the tests that use it must be marked model or system."""
+
+    def declare(function):
+        TRAINING_FIXTURES.add(function.__name__)
+        return pytest.fixture(*args, **kwargs)(function)
+
+    return declare
+
+
+def _tier(item) -> str:
+    marks = {mark.name for mark in item.iter_markers()} & set(TIERS)
+    return "system" if "system" in marks else "model" if "model" in marks else "unit"
+
+
+def pytest_collection_modifyitems(config, items):
+    unmarked = [
+        f"{item.nodeid} (uses {', '.join(sorted(TRAINING_FIXTURES & set(item.fixturenames)))})"
+        for item in items
+        if _tier(item) == "unit" and TRAINING_FIXTURES & set(item.fixturenames)
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            "unit tests may not train; mark these @pytest.mark.model (or system):\n  " + "\n  ".join(unmarked)
+        )
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_do_not_train(request, monkeypatch):
+    """A unit test that starts a training run (mtcli.train.start_run) fails with the reason, whatever path it took."""
+    if _tier(request.node) != "unit":
+        return
+
+    def refuse(*args, **kwargs):
+        pytest.fail("this unit test trains a model: mark it @pytest.mark.model (or use a fixture), or stop training")
+
+    import mtcli.train
+
+    monkeypatch.setattr(mtcli.train, "start_run", refuse)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """Name pytest-timeout's kills at the end of the run: on a loaded machine they, not the code, fail tests."""
+    timed_out = [
+        report.nodeid
+        for kind in ("failed", "error")
+        for report in terminalreporter.stats.get(kind, [])
+        if "Timeout" in str(getattr(report, "longrepr", ""))
+    ]
+    if timed_out:
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        terminalreporter.write_line(
+            f"{len(timed_out)} test(s) stopped by pytest-timeout's {config.getini('timeout')} s limit (load average "
+            f"{load} on {os.cpu_count()} cores): on a loaded machine rerun them with PYTEST_ARGS='--timeout=0', "
+            "or on an idle one (README, Development)",
+            red=True,
+        )
+
 
 SHARED_DATA = Path(__file__).parents[1] / ".." / "shared" / "data"
 
@@ -103,7 +182,7 @@ def corpus_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("corpus-cache")
 
 
-@pytest.fixture(scope="session")
+@training_fixture(scope="session")
 def toy_run(tmp_path_factory, toy_cache):
     """The toy config, shortened: about half a minute on 2 cores. Runs in ./runs/toy of a scratch folder."""
     home = tmp_path_factory.mktemp("toy")

@@ -178,7 +178,7 @@ def test_corpora_are_read_as_one_split_tallied_and_sampled_by_weight(tmp_path, l
     assert prepare(make_config(tmp_path, two_corpora(tmp_path))).folder != data.folder
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_resume_with_corpus_weights_gives_the_same_losses(tmp_path):
     """Stopped at update 7 and resumed: the per-update losses and weights of an uninterrupted run, across epochs
     whose examples are drawn anew by weight."""

@@ -81,7 +81,7 @@ def test_a_full_disk_is_one_line_naming_the_file(monkeypatch, capsys):
         mtcli.cli.main()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_errors_are_one_line_without_traceback(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: {dataset: toy}\nmodel: {d_modle: 64}\n")
@@ -100,7 +100,7 @@ def test_errors_are_one_line_without_traceback(tmp_path):
     assert "model.d_model" in proc.stderr and str(bad) in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_toy_model_learns(toy_run):
     """A broken mask, shift or cache would not get near this score on the toy valid split."""
     best = json.loads((toy_run / "checkpoints" / "best.json").read_text())
@@ -110,7 +110,7 @@ def test_toy_model_learns(toy_run):
     assert list((toy_run / "tb").glob("events.out.tfevents.*"))
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_translate_arguments_stdin_and_files(toy_run, tmp_path, monkeypatch):
     monkeypatch.chdir(toy_run.parent.parent)  # the latest run under ./runs is the default
     result = invoke("translate", "I love apples", "", "She really likes green apples")
@@ -136,7 +136,7 @@ def test_translate_arguments_stdin_and_files(toy_run, tmp_path, monkeypatch):
         assert float(f[3]) == pytest.approx(features["log_prob="] / ((5 + features["length="]) / 6) ** 0.6, abs=2e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_eval_reports_what_sacrebleu_reports_on_the_written_files(toy_run):
     result = json.loads(invoke("eval", "--run", toy_run, "--json").stdout)
     for key in ("bleu", "chrf", "signature", "hypotheses", "references"):
@@ -166,7 +166,7 @@ def test_eval_reports_what_sacrebleu_reports_on_the_written_files(toy_run):
     assert len(Path(result["hypotheses"]).read_text(encoding="utf-8").splitlines()) == 200
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_validation_bleu_is_eval_bleu(toy_run):
     """One scoring path: greedy eval of the best checkpoint on the valid split repeats the validation score."""
     best = json.loads((toy_run / "checkpoints" / "best.json").read_text())
@@ -175,7 +175,7 @@ def test_validation_bleu_is_eval_bleu(toy_run):
     assert result["checkpoint"] == str(best_checkpoint(toy_run))
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_average_last_checkpoints(toy_run, tmp_path):
     found = list_checkpoints(toy_run)
     assert len(found) >= 2
@@ -195,7 +195,7 @@ def test_average_last_checkpoints(toy_run, tmp_path):
         assert proc.returncode == 2 and proc.stderr.startswith("error: ") and message in proc.stderr, proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_ensemble_of_a_run_with_itself_scores_as_the_run_and_refuses_another_vocabulary(toy_run, tmp_path):
     alone = json.loads(invoke("eval", "--run", toy_run, "--split", "valid", "--json").stdout)
     twice = json.loads(invoke("eval", "--run", toy_run, "--split", "valid", "--ensemble", toy_run, "--json").stdout)
@@ -219,7 +219,7 @@ def test_ensemble_of_a_run_with_itself_scores_as_the_run_and_refuses_another_voc
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_translate_input_edge_cases(toy_run, tmp_path):
     # A lone carriage return stays inside its line: two lines in, two lines out.
     source = tmp_path / "cr.en"
@@ -241,7 +241,7 @@ def test_translate_input_edge_cases(toy_run, tmp_path):
     assert b"stdin line 2: not valid UTF-8" in bad_in.stderr and b"Traceback" not in bad_in.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_no_repeat_ngram_applies_to_beam_one(toy_run):
     from dataclasses import replace
 
@@ -256,7 +256,7 @@ def test_no_repeat_ngram_applies_to_beam_one(toy_run):
     assert repeats(translator.translate_nbest(sources, replace(greedy, no_repeat_ngram=1))) == 0
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_sampling_through_the_command_is_seeded_by_the_run_and_top_k_one_is_greedy(toy_run):
     """--sampling draws from one stream seeded by the run's train.seed, so the same command prints the same lines; it
     does sample (one sentence repeated comes out in several ways at a high temperature); --top-k 1 leaves only the
@@ -282,7 +282,7 @@ def test_version_and_conflicting_inputs(tmp_path):
         runner.invoke(app, ["translate", "--input", str(source), "hello"], catch_exceptions=False)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_decode_settings_from_set_and_what_was_picked(toy_run):
     """translate/eval take --set decode.KEY=VALUE (and nothing else), and say which checkpoint they picked."""
     base = ["translate", "--run", str(toy_run), "I love apples"]

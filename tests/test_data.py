@@ -274,7 +274,7 @@ def run_cli(tmp_path, *args, env_extra=None):
     )
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_cli_unreachable_hub_exits_2_with_one_error_line(tmp_path):
     config = tmp_path / "hub.yaml"
     config.write_text(yaml.safe_dump({"data": {"dataset": "someone/nonexistent"}}))
@@ -290,7 +290,7 @@ def test_cli_unreachable_hub_exits_2_with_one_error_line(tmp_path):
     assert lines[0].startswith("error: ") and "data.path" in lines[0]
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_cli_config_error_exits_2_with_one_error_line(tmp_path, tiny_corpus):
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump({"data": {"path": str(tiny_corpus)}}))
@@ -774,7 +774,7 @@ def test_subword_sampling_resegments_the_same_pairs_reproducibly(tmp_path, tiny_
 # The shared corpora
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_multi30k_local_files(shared_data, corpus_cache, log):
     """The recipe's data settings, so test_recipes trains on this cache (or this test finds the one it made)."""
     folder = shared_data / "multi30k"
@@ -805,7 +805,7 @@ def test_multi30k_local_files(shared_data, corpus_cache, log):
     assert time.monotonic() - start < 3
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_tatoeba_local_files_without_test_split(shared_data, corpus_cache):
     """The recipe's data settings, shared with test_recipes. The corpus has no test files: the split is skipped when
     prepared (the note itself: test_missing_eval_split_is_skipped_with_a_note), and asking for it later says so."""
@@ -846,7 +846,7 @@ def test_toy_corpus_sizes_disjoint_and_required_pair():
         toy_pairs(n_train=10**6)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_toy_corpus_is_the_same_in_another_process(tmp_path):
     write_toy_corpus(tmp_path / "here")
     code = "import sys; from mtcli.toy import write_toy_corpus; write_toy_corpus(sys.argv[1])"

@@ -142,7 +142,7 @@ def numbers(cell: str) -> list[float]:
     return [float(x) for x in re.findall(r"-?\d+\.\d+", cell)]
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_every_figure_is_what_the_sacrebleu_command_prints(toy_run, tmp_path):
     sources, references = eval_texts(Translator.from_run(toy_run).config, "test")
     src, ref1, ref2, better = (tmp_path / name for name in ("src.en", "ref1.zh", "ref2.zh", "better.zh"))

@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import invoke
+from conftest import invoke, training_fixture
 
 from mtcli.checkpoint import best_checkpoint
 from mtcli.config import ModelConfig
@@ -20,7 +20,7 @@ from mtcli.scoring import score
 from mtcli.tokenizer import Tokenizer
 from mtcli.translate import Translator
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 
 def _train_post_norm(home, cache, **extra):
@@ -43,18 +43,18 @@ def _train_post_norm(home, cache, **extra):
     return run
 
 
-@pytest.fixture(scope="module")
+@training_fixture(scope="module")
 def post_norm_run(tmp_path_factory, toy_cache):
     return _train_post_norm(tmp_path_factory.mktemp("post"), toy_cache)
 
 
-@pytest.fixture(scope="module")
+@training_fixture(scope="module")
 def separate_vocab_run(tmp_path_factory, toy_cache):
     """Post-norm with a SentencePiece model per side: separate embeddings, the target one tied to the output."""
     return _train_post_norm(tmp_path_factory.mktemp("separate"), toy_cache, **{"data.joint_vocab": "false"})
 
 
-@pytest.fixture(scope="module")
+@training_fixture(scope="module")
 def untied_run(tmp_path_factory, toy_cache):
     """Post-norm, joint vocabulary, three separate matrices: source and target embeddings and the output layer."""
     return _train_post_norm(tmp_path_factory.mktemp("untied"), toy_cache, **{"model.tie_embeddings": "false"})

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from mtcli.checkpoint import best_checkpoint, list_checkpoints, load_model
 from mtcli.translate import Translator
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 transformers = pytest.importorskip("transformers", reason="the export extra (transformers) is not installed")
 
 

@@ -312,7 +312,8 @@ def test_three_way_tied_embeddings_are_one_tensor():
 
 
 def test_base_config_parameter_count_is_near_the_paper():
-    model = Transformer(ModelConfig(), 37000, 37000, joint_vocab=True)
+    with torch.device("meta"):  # shapes only
+        model = Transformer(ModelConfig(), 37000, 37000, joint_vocab=True)
     assert 60e6 < model.num_parameters() < 66e6  # the paper reports 65M
 
 

@@ -84,7 +84,7 @@ def hf_source(tmp_path_factory):
     return folder
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("target", ["foreign", "run", "dot", "file"])
 def test_folder_writers_refuse_what_they_did_not_write_and_change_nothing(target, places, toy_run, hf_source):
     pytest.importorskip("ctranslate2")
@@ -98,7 +98,7 @@ def test_folder_writers_refuse_what_they_did_not_write_and_change_nothing(target
     assert list(places["foreign"].parent.rglob(".*.tmp-*")) == [] and list(toy_run.rglob(".*.tmp-*")) == []
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_folder_writers_replace_their_own_output_only_with_force_and_never_a_foreign_file(tmp_path, toy_run, hf_source):
     pytest.importorskip("ctranslate2")
     for name, command in folder_commands(toy_run, hf_source).items():
@@ -121,7 +121,7 @@ def test_folder_writers_replace_their_own_output_only_with_force_and_never_a_for
     assert list(tmp_path.glob(".*.tmp-*")) == [] and list(tmp_path.glob(".*.old-*")) == []
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_folder_writer_that_fails_halfway_leaves_nothing_behind(tmp_path, toy_run, monkeypatch):
     pytest.importorskip("ctranslate2")
     import mtcli.outputs
@@ -139,7 +139,7 @@ def test_a_folder_writer_that_fails_halfway_leaves_nothing_behind(tmp_path, toy_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty"] and list(empty.iterdir()) == []
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_import_refuses_its_own_source_as_out(hf_source, tmp_path):
     if hf_source is None:
         pytest.skip("needs transformers")
@@ -150,7 +150,7 @@ def test_import_refuses_its_own_source_as_out(hf_source, tmp_path):
     assert snapshot(hf_source) == before
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_file_writers_refuse_inputs_folders_and_existing_files(places, toy_run, tmp_path):
     source = tmp_path / "in.en"
     source.write_text("I love apples\n")
@@ -170,7 +170,7 @@ def test_file_writers_refuse_inputs_folders_and_existing_files(places, toy_run, 
     assert snapshot(source, places["file"], Path.cwd(), toy_run) == before
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_translate_output_is_written_whole_or_not_at_all(tmp_path, toy_run):
     source, out = tmp_path / "in.en", tmp_path / "out.zh"
     source.write_text("I love apples\nthe cat\n")
@@ -189,7 +189,7 @@ def test_translate_output_is_written_whole_or_not_at_all(tmp_path, toy_run):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_train_refuses_a_folder_that_is_not_a_run_and_a_name_that_is_a_path(tmp_path, monkeypatch):
     folder = tmp_path / "project"
     folder.mkdir()
@@ -250,7 +250,7 @@ def test_a_killed_writers_temporary_sibling_is_removed_by_the_next_writer_there(
     assert not left["work"].exists() and left["running"].is_dir()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_full_disk_while_translating_to_a_file_is_one_line_and_the_file_is_kept(tmp_path, toy_run, monkeypatch):
     import errno
 

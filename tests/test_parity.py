@@ -24,7 +24,7 @@ from mtcli.errors import MtcliError
 from mtcli.parity import CTranslate2Engine, EngineSettings, TransformersEngine, repeats, stress_lines
 from mtcli.translate import Translator
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.model
 
 
 def refused(*args) -> str:

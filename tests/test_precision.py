@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from conftest import training_fixture
 
 from mtcli import device
 from mtcli.config import ModelConfig
@@ -58,7 +59,7 @@ def test_explicit_precisions_are_kept_and_int8_is_for_translation_on_cpu(monkeyp
         choose_precision("int8", CPU)
 
 
-@pytest.fixture(scope="module")
+@training_fixture(scope="module")
 def copy_model():
     """A small Transformer trained for a few seconds to copy its input: confident enough that precision changes
     should not change its outputs much. 800 updates: after 400, on an AMD EPYC (Zen 5) it copied only 55 of 64
@@ -102,7 +103,7 @@ def copy_searches(model) -> tuple[list[list[int]], list[list[int]]]:
     return greedy, beam
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
 def test_bf16_and_int8_translation_agree_with_fp32(copy_model, precision):
     """Token agreement of greedy and beam-4 outputs with fp32 on 64 sentences: at least 95% of sentences identical
@@ -117,6 +118,7 @@ def test_bf16_and_int8_translation_agree_with_fp32(copy_model, precision):
         assert sum(a == b for a, b in zip(outputs, reference)) >= 0.95 * len(reference)
 
 
+@pytest.mark.model
 def test_fp32_translation_packs_linear_layers_and_keeps_the_outputs(copy_model):
     """fp32 translation on a CPU runs its linear layers on oneDNN with packed weights (MKL's products were ~2.5x
     slower on an AMD EPYC): greedy and beam-4 outputs must be the unpacked model's, and a copy (validation) is not
@@ -133,7 +135,7 @@ def test_fp32_translation_packs_linear_layers_and_keeps_the_outputs(copy_model):
     assert copy_searches(packed) == copy_searches(copy_model)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_bf16_training_of_the_toy_model_reaches_the_smoke_threshold(tmp_path, toy_cache):
     """make smoke's bar (test BLEU >= 80 after toy.yaml's 600 updates), trained in bf16 autocast."""
     if device.cpu_bf16_units() is None:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import training_fixture
 from torch import nn
 
 from mtcli.cache import KVCache
@@ -200,7 +201,7 @@ def test_max_output_lengths():
     assert lens.tolist() == [5, 20, 255]
 
 
-@pytest.fixture(scope="module")
+@training_fixture(scope="module")
 def reverse_model():
     """A tiny Transformer trained for a few seconds to reverse digit strings: it ends its outputs with EOS at
     varied lengths, and is unsure enough that beam search and greedy search can differ (a random model collapses
@@ -237,7 +238,7 @@ def random_sources(lengths, seed=3, generator=None):
     return src, src == PAD
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("lenpen", [0.0, 0.6])
 def test_beam_one_equals_greedy_on_a_transformer(lenpen, reverse_model):
     model = reverse_model
@@ -249,7 +250,7 @@ def test_beam_one_equals_greedy_on_a_transformer(lenpen, reverse_model):
     assert any(len(g.tokens) < int(m) for g, m in zip(greedy, max_lens))  # some end by EOS, not only the limit
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_beam_is_never_worse_than_greedy_under_the_same_scoring(reverse_model):
     model = reverse_model
     lengths = [3, 6, 8, 4, 5, 7, 8, 8, 2, 6, 7, 5]
@@ -263,7 +264,7 @@ def test_beam_is_never_worse_than_greedy_under_the_same_scoring(reverse_model):
         assert b[0].score >= greedy_score - 1e-4
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_a_sentence_result_does_not_depend_on_its_batch(search, reverse_model):
     """What the README says of fp32 translation (and so of the server's batches): the same subwords alone and in a
@@ -294,7 +295,7 @@ def full_log_prob(members, src, mask, tokens: list[int]) -> float:
     return sum(math.log(probs[t, token]) for t, token in enumerate([*tokens, EOS]))
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_an_ensemble_scores_with_the_mean_probability_of_members_of_different_sizes(reverse_model):
     """Greedy and beam search over an ensemble of two Transformers of different width and depth: each hypothesis's
     log-probability is that of the members' averaged probabilities recomputed without a cache, for sentences of
@@ -318,7 +319,7 @@ def test_an_ensemble_scores_with_the_mean_probability_of_members_of_different_si
     assert len({len(h.tokens) for h in greedy}) > 1
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_an_ensemble_of_one_model_translates_as_the_model(reverse_model):
     lengths = [5, 8, 3]
     src, mask = random_sources(lengths, seed=11)
@@ -394,7 +395,7 @@ def test_no_repeat_ngram_blocks_repeats():
     assert free != blocked
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_sampling_top_k_one_is_greedy_and_respects_max_length(reverse_model):
     model = reverse_model
     lengths = [5, 3, 8]

@@ -193,7 +193,7 @@ def cli_translations(toy_run, tmp_path_factory):
     return beam4, beam1
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_translations_equal_mtcli_translate(server, cli_translations):
     beam4, beam1 = cli_translations
     assert server.post("/translate", {"q": SENTENCES, **LIBRE})[2]["translatedText"] == beam4
@@ -205,7 +205,7 @@ def test_translations_equal_mtcli_translate(server, cli_translations):
     assert paragraph == "".join(one_by_one)  # cut into the same sentences; Chinese joins them without spaces
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_libretranslate_request_and_response_shapes(server):
     """The shapes of LibreTranslate's published API and its tests; Mastodon sends lists, format html and auto."""
     one = server.post("/translate", {"q": "I love apples", **LIBRE})
@@ -239,7 +239,7 @@ def test_libretranslate_request_and_response_shapes(server):
     assert_error(server.request("GET", "/nowhere"), 404, "/nowhere")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_native_route_takes_decode_settings_and_returns_scores(server):
     body = {"texts": ["I love apples", "Do you like tea? Tom eats fish."], "beam": 5, "nbest": 3, "lenpen": 1.0}
     status, _, answer = server.post("/v1/translate", body)
@@ -263,7 +263,7 @@ def test_native_route_takes_decode_settings_and_returns_scores(server):
     assert_error(server.post("/v1/translate", {"texts": "x", "format": "html", "split_sentences": False}), 422)
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_long_input_is_split_not_truncated(server, toy_run):
     long_line = " ".join(["I love apples and she likes tea"] * 30)  # over the 127 subwords the toy model takes
     pieces = split_long(Tokenizer.from_folder(toy_run), long_line, 127)
@@ -277,7 +277,7 @@ def test_long_input_is_split_not_truncated(server, toy_run):
     assert "truncated" in invoke("translate", "--run", toy_run, long_line).stderr
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_hostile_bodies_get_a_4xx_and_the_server_carries_on(server):
     ten_mb = b'{"q": "' + b"a" * (10 << 20) + b'"}'
     assert_error(server.post("/translate", ten_mb), 413, "65,536 bytes", "--max-body-bytes")
@@ -304,7 +304,7 @@ def test_hostile_bodies_get_a_4xx_and_the_server_carries_on(server):
     assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_html_inline_elements_come_back_around_their_translation(server):
     """`I love <b>apples</b>` was translated as two sentences (我喜欢狗 <b>吗？</b>); now as one, with the element
     around the words that translate its text, in the plain API and the native one."""
@@ -317,7 +317,7 @@ def test_html_inline_elements_come_back_around_their_translation(server):
     assert native == answer
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_health_metrics_and_page(server, toy_run):
     server.post("/translate", {"q": ["I love apples", "Do you like tea?"], **LIBRE})
     health = server.request("GET", "/health")[2]
@@ -337,7 +337,7 @@ def test_health_metrics_and_page(server, toy_run):
 # Faults: a timeout, a small queue, API keys, SIGTERM under load
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_request_over_its_time_gets_503_and_retry_after(toy_run):
     srv = Server(toy_run, "--timeout", "0.001")  # no translation is that fast
     try:
@@ -376,7 +376,7 @@ def metric(srv: Server, name: str) -> int:
     return int(re.search(rf"^{name} (\d+)$", srv.request("GET", "/metrics")[2], re.M)[1])
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_requests_that_time_out_are_not_translated_and_the_next_is_answered(server, toy_run):
     """Issue 59: after a burst of requests answered 503 by --timeout, the worker went on translating them and the
     next requests got 503 too, while /health showed an empty queue. Now the rest of the burst is skipped: a small
@@ -428,7 +428,7 @@ def test_requests_that_time_out_are_not_translated_and_the_next_is_answered(serv
             srv.proc.wait()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_overload_keys_and_sigterm_drain(toy_run, tmp_path):
     keys = tmp_path / "keys.txt"
     keys.write_text("# one per line\nsecret-1\nsecret-2\n")

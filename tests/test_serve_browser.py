@@ -12,7 +12,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 
 
-@pytest.mark.slow
+@pytest.mark.system
 @pytest.mark.skipif(
     not (CHROMIUM and CHROMEDRIVER), reason="no browser: apt-get install chromium chromium-driver (as .ci/run does)"
 )

@@ -348,7 +348,7 @@ def assert_client_error(answer, status: int, *words: str) -> None:
 SURROGATE = b'"\\ud800"'  # JSON's escape for a lone surrogate: json.dumps writes it as such
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_client_input_gets_a_4xx_with_a_short_message_never_a_500(hostile):
     def native(**fields):
         return hostile.post("/v1/translate", {"texts": ["I love apples"], **fields})
@@ -409,7 +409,7 @@ def closed_early(srv: Server) -> int:
     return int(found[1]) if found else 0
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_requests_that_fail_leave_nothing_in_the_queue(hostile):
     """The leak: a request whose texts could not be tokenized stayed counted as queued. With a queue of 64 sentences,
     a few such requests of 64 texts each would have left every later request a 503."""
@@ -431,7 +431,7 @@ def test_requests_that_fail_leave_nothing_in_the_queue(hostile):
     assert hostile.queued() == 0
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_routes_head_no_redirects_no_openapi_and_json_for_malformed_http(hostile):
     for path in ("/", "/health", "/languages", "/metrics"):
         status, headers, body = hostile.request("HEAD", path)
@@ -451,7 +451,7 @@ def test_routes_head_no_redirects_no_openapi_and_json_for_malformed_http(hostile
     assert hostile.request("GET", "/health")[0] == 200
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_slow_bodies_get_408_and_do_not_hold_up_sigterm(toy_run):
     srv = Server(toy_run, "--timeout", "4")  # the body must arrive within --timeout (10 s at most)
     try:
@@ -490,7 +490,7 @@ def test_slow_bodies_get_408_and_do_not_hold_up_sigterm(toy_run):
     assert answered == accepted == srv.responses + 6  # the slow ones were read here, not through srv.request
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_a_poisoned_sentence_batched_with_good_ones_fails_only_its_own_request(toy_run):
     """The real server, with the model made to fail on one word (tests/faults_serve.py's wrapper): the requests
     batched with that sentence are answered, and it gets a 500 that says only that it is a server error."""

@@ -264,7 +264,7 @@ def test_micro_batches_of_one_update_give_the_gradient_of_their_concatenation():
         torch.testing.assert_close(split, joined, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_checkpoint_round_trip(cache_dir, tmp_path):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 3, "train.valid_every": 3})
     result = train(cfg, tmp_path / "run")
@@ -284,7 +284,7 @@ def test_checkpoint_round_trip(cache_dir, tmp_path):
     assert tokenizer.decode_tgt(prepared.encode_tgt(["我喜欢苹果"])) == ["我喜欢苹果"]
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_interrupted_save_leaves_the_previous_checkpoint_loadable(cache_dir, tmp_path, monkeypatch):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 2, "train.valid_every": 2})
     result = train(cfg, tmp_path / "run")
@@ -314,7 +314,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(cache_dir, tmp
     assert not stale.exists()
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_training_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(cache_dir, tmp_path):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1})
     with pytest.raises(MtcliError, match="no checkpoint to resume"):
@@ -336,7 +336,7 @@ def test_training_refuses_to_overwrite_a_run_and_resume_needs_a_checkpoint(cache
         moved.rename(cache_dir)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_a_corrupt_checkpoint_is_a_one_line_error(cache_dir, tmp_path):
     train(tiny_config(cache_dir, **{"train.max_updates": 1, "train.valid_every": 1}), tmp_path / "run")
     model_file = ckpt.last_checkpoint(tmp_path / "run") / "model.safetensors"
@@ -352,7 +352,7 @@ def test_a_corrupt_checkpoint_is_a_one_line_error(cache_dir, tmp_path):
 # Exact resume
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("decode_precision, sampling", [("fp32", 0.0), ("bf16", 0.0), ("fp32", 0.3)])
 def test_resume_gives_the_same_losses_as_an_uninterrupted_run(cache_dir, tmp_path, decode_precision, sampling):
     """Stopped at update 7 (between validations, in the first epoch) and resumed: bit-identical per-update losses and
@@ -378,7 +378,7 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(cache_dir, tmp_pat
         assert torch.equal(a, b), name
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_sigterm_saves_and_the_run_resumes(cache_dir, tmp_path):
     """A real process: SIGTERM mid-run finishes the update, writes a checkpoint, says how to resume, exits 143."""
     run = tmp_path / "run"
@@ -450,7 +450,7 @@ def _ddp_worker(rank, world, port, cache_dir, run_dir, out_dir, tokens_per_updat
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.slow
+@pytest.mark.system
 def test_two_process_ddp_keeps_ranks_identical_and_matches_one_process(cache_dir, tmp_path):
     cfg = tiny_config(cache_dir)
     train_split = prepare(cfg).split("train")
@@ -498,7 +498,7 @@ def test_two_process_ddp_keeps_ranks_identical_and_matches_one_process(cache_dir
         assert tensor.dim() < 2 or diff.mean() < 1e-4, f"{name}: mean difference {diff.mean():.2e}"
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_nonfinite_losses_stop_the_run_with_a_clear_error(cache_dir, tmp_path, monkeypatch):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 20, "train.valid_every": 2, "train.max_nonfinite": 3})
     calls = {"n": 0}
@@ -521,7 +521,7 @@ def test_nonfinite_losses_stop_the_run_with_a_clear_error(cache_dir, tmp_path, m
     assert math.isfinite(losses(tmp_path / "run")[-1])
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_average_refuses_different_architectures_and_averages_equal_ones(cache_dir, tmp_path):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 2, "train.valid_every": 1, "train.keep_last": 5})
     train(cfg, tmp_path / "a")
@@ -536,7 +536,7 @@ def test_average_refuses_different_architectures_and_averages_equal_ones(cache_d
         average_checkpoints([first, ckpt.last_checkpoint(tmp_path / "b")], tmp_path / "bad")
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_max_epochs_ends_with_a_validated_checkpoint(cache_dir, tmp_path):
     cfg = tiny_config(
         cache_dir,
@@ -571,7 +571,7 @@ def valid_lines(run: Path) -> list[tuple[int, float, str]]:
     return [(int(u), float(loss), verdict) for u, loss, verdict in found]
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_valid_metric_loss_picks_the_lowest_loss_which_translate_and_eval_then_use(
     cache_dir, tmp_path, scripted_losses
 ):
@@ -594,7 +594,7 @@ def test_valid_metric_loss_picks_the_lowest_loss_which_translate_and_eval_then_u
     assert scored["checkpoint"] == str(expected)
 
 
-@pytest.mark.slow
+@pytest.mark.model
 @pytest.mark.parametrize("metric", ["loss", "bleu"])
 def test_patience_stops_a_run_that_no_longer_improves(cache_dir, tmp_path, metric):
     """train.patience: 2 validations in a row without a better score end the run, whichever metric is watched. The
@@ -610,7 +610,7 @@ def test_patience_stops_a_run_that_no_longer_improves(cache_dir, tmp_path, metri
     assert ckpt.best_checkpoint(tmp_path / "run").name == "update_00000002"
 
 
-@pytest.mark.slow
+@pytest.mark.model
 def test_patience_counts_validations_since_the_best_and_across_a_resume(cache_dir, tmp_path, scripted_losses):
     """An improvement starts the count again; a resumed run goes on counting from its checkpoint (the best score and
     the count are in state.pt), so it stops where the uninterrupted run stops."""
