@@ -18,13 +18,10 @@ import os
 import random
 from pathlib import Path
 
-# OpenMP threads that wait spin before they sleep; on a machine shared by more threads than cores that spinning
-# takes the cores from the threads with work (mtcli sets the same for its own commands, mtcli/__init__.py). Set
-# before torch (and its OpenMP runtime) loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import pytest
+from typer.testing import CliRunner
 
-import pytest  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
+import mtcli  # noqa: F401  (first of the project, before torch loads: OpenMP's short wait, mtcli/__init__.py)
 
 TIERS = ("model", "system")
 TRAINING_FIXTURES: set[str] = set()

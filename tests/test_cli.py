@@ -306,3 +306,20 @@ def test_counts_agree_with_their_nouns():
         "2 sentences",
         "1,024 sentences",
     ]
+
+
+@pytest.mark.system
+def test_importing_mtcli_sets_a_short_openmp_wait_before_torch_loads_and_keeps_the_users():
+    """OpenMP's default spin-wait made trainings sharing a machine collapse (issue 59): mtcli sets a short one as it
+    is imported, before torch, unless the user set their own."""
+    import os
+    import subprocess
+    import sys
+
+    probe = "import os, mtcli, torch; print(os.environ['GOMP_SPINCOUNT'], os.environ['KMP_BLOCKTIME'])"
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "KMP_BLOCKTIME")}
+    run = lambda extra: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", probe], env=env | extra, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert run({}) == ["1000", "1"]
+    assert run({"GOMP_SPINCOUNT": "300000"}) == ["300000", "1"]
