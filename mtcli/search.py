@@ -46,7 +46,7 @@ def max_output_lengths(src_lens: torch.Tensor, a: float, b: int, max_positions: 
     return lens.clamp(min=0, max=max_positions - 1)
 
 
-def _step_log_probs(
+def step_log_probs(
     model,
     tokens: torch.Tensor,
     memory: torch.Tensor,
@@ -86,7 +86,7 @@ def greedy_search(
     log_prob_sums = [0.0] * B
     done: list[Hypothesis | None] = [None] * B
     for step in range(int(max_lens.max()) + 1):
-        log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
         best_lp, best = log_probs.max(dim=-1)
         finished = best == eos
         for sentence, token, lp, fin in zip(active.tolist(), best.tolist(), best_lp.tolist(), finished.tolist()):
@@ -150,9 +150,9 @@ def beam_search(
     for step in range(max_total + 1):
         n = sentences.numel()
         # (2) Next-token log-probabilities for every live row, with constraints.
-        log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
         if no_repeat_ngram > 0:
-            _ban_repeated_ngrams(log_probs, history, no_repeat_ngram)
+            ban_repeated_ngrams(log_probs, history, no_repeat_ngram)
         # (3) Add to the running scores; best 2k candidates over beam x vocabulary, so k stay live after EOS ones.
         # The best 2k of a sentence are among the best 2k of each of its beams: two small top-k's instead of one over
         # k x V entries (a tenth of the step's time at beam 5 with an 8k vocabulary on CPU).
@@ -174,7 +174,7 @@ def beam_search(
         live_tokens = top_tokens.gather(1, live_order)
         # (6) Which sentences are done: `wanted` finished, the worst of which no live hypothesis beats at its present
         # length.
-        done = _sentences_done(finished, sentences, live_scores[:, 0], wanted, penalty, early_stopping)
+        done = sentences_done(finished, sentences, live_scores[:, 0], wanted, penalty, early_stopping)
         done = torch.tensor(done, device=device)
         if done.all() or step == max_total:
             break
@@ -210,7 +210,7 @@ def _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, 
         finished[int(sentences[i])].append(Hypothesis(hist[row], lp / penalty, lp))
 
 
-def _sentences_done(
+def sentences_done(
     finished, sentences, best_live: torch.Tensor, wanted: int, penalty, early_stopping: bool = False
 ) -> list[bool]:
     """Beam phase (6): a sentence is done with `wanted` finished hypotheses, the worst of which its best live one
@@ -245,7 +245,7 @@ def row_topk(scores: torch.Tensor, c: int, block: int = 64) -> tuple[torch.Tenso
     return values, best_blocks.gather(1, where // block) * block + where % block
 
 
-def _ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) -> None:
+def ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) -> None:
     """Forbid tokens that would repeat an n-gram already in the row's output (in place)."""
     N, L = history.shape
     if L < n:  # no complete n-gram yet
@@ -281,7 +281,7 @@ def sample(
     log_prob_sums = torch.zeros(B, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)
     for step in range(int(max_lens.max()) + 1):
-        log_probs = _step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
         logits = log_probs / temperature
         if top_k > 0:
             kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]

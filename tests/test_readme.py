@@ -1,6 +1,8 @@
-"""README's commands work as written: every `mtcli ...` line in its code blocks and its commands table names a real
-command, options that command takes, and shipped configs that exist; the links point at files that exist."""
+"""README's commands work as written: every `mtcli ...` line in its code blocks and its commands table (and in
+docs/usage.md, where README's tasks are described in full) names a real command, options that command takes, and
+shipped configs that exist; the links point at files that exist."""
 
+import functools
 import re
 import shlex
 from pathlib import Path
@@ -12,13 +14,14 @@ from mtcli.cli import app
 from mtcli.config_loader import shipped_config_names
 
 README = Path(__file__).parents[1] / "README.md"
+USAGE = README.parent / "docs" / "usage.md"
 TEXT = README.read_text(encoding="utf-8")
 
 
-def readme_commands() -> list[str]:
+def readme_commands(text: str = TEXT) -> list[str]:
     """`mtcli ...` command lines: from ```bash blocks (comments dropped) and from backticks in tables."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", TEXT, re.S):
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
         block = re.sub(r"\\\n\s*", " ", block)  # a command continued on the next line is one command
         for line in block.splitlines():
             line = line.split("  #")[0].strip()
@@ -28,11 +31,12 @@ def readme_commands() -> list[str]:
                     part = part[part.index("-m mtcli") + 3 :]
                 if part.startswith("mtcli "):
                     lines.append(part)
-    for cell in re.findall(r"`(mtcli [^`]+)`", TEXT):
+    for cell in re.findall(r"`(mtcli [^`]+)`", text):
         lines.append(cell)
     return lines
 
 
+@functools.cache  # each command's help once: the lines repeat commands
 def help_of(command: str) -> str:
     result = CliRunner().invoke(app, [*command.split(), "--help"], terminal_width=200)
     assert result.exit_code == 0, f"`mtcli {command}` is not a command: {result.output}"
@@ -40,10 +44,11 @@ def help_of(command: str) -> str:
 
 
 COMMANDS = readme_commands()
+USAGE_COMMANDS = readme_commands(USAGE.read_text(encoding="utf-8"))
 
 
 def test_readme_lists_commands():
-    assert len(COMMANDS) > 20
+    assert len(COMMANDS) > 20 and len(USAGE_COMMANDS) > 20
 
 
 def test_the_map_names_every_module():
@@ -59,16 +64,18 @@ SPEED = re.compile(r"\d[\d,.]*\s*(?:sentences/s|tokens/s|tok/s|ms\b|min\b)|MFU|\
 CPU = re.compile(r"AMD EPYC|Intel Xeon|Zen [45]|H100|H200|GPU")
 
 
-def test_every_speed_figure_names_its_machine():
+@pytest.mark.parametrize("path", [README, USAGE], ids=["README", "usage"])
+def test_every_speed_figure_names_its_machine(path):
     """Timings differ by machine: a paragraph (or a table with the paragraph before it) that gives one says where."""
-    blocks = [b for b in re.sub(r"```.*?```", "", TEXT, flags=re.S).split("\n\n") if b.strip()]
+    text = path.read_text(encoding="utf-8")
+    blocks = [b for b in re.sub(r"```.*?```", "", text, flags=re.S).split("\n\n") if b.strip()]
     for previous, block in zip(["", *blocks], blocks):
         context = previous + block if block.lstrip().startswith("|") else block
         if SPEED.search(block):
             assert CPU.search(context), f"a figure without its machine: {block.strip()[:200]}"
 
 
-@pytest.mark.parametrize("line", COMMANDS)
+@pytest.mark.parametrize("line", COMMANDS + USAGE_COMMANDS)
 def test_each_readme_command_and_its_options_exist(line):
     words = shlex.split(line.replace("\\|", "|").replace("...", ""))[1:]
     command = words[0] if words[0] != "data" else f"data {words[1]}"
@@ -81,7 +88,19 @@ def test_each_readme_command_and_its_options_exist(line):
         assert config in shipped_config_names() or config.startswith("runs/"), f"`{line}`: no shipped {config}"
 
 
-def test_readme_links_point_at_files():
-    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", TEXT):
-        if not target.startswith("http"):
-            assert (README.parent / target).exists(), target
+@pytest.mark.parametrize("path", [README, *sorted((README.parent / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_links_point_at_files_and_anchors(path):
+    text = path.read_text(encoding="utf-8")
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)(?:#([^)]*))?\)", text):
+        if target.startswith("http"):
+            continue
+        linked = path.parent / target if target else path
+        assert linked.exists(), target
+        if anchor and linked.suffix == ".md":
+            assert anchor in headings(linked), f"{path.name}: no heading #{anchor} in {linked.name}"
+
+
+def headings(path: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lowercase, punctuation dropped, spaces as hyphens."""
+    titles = re.findall(r"^#+ (.+)$", path.read_text(encoding="utf-8"), re.M)
+    return {re.sub(r"[^\w\- ]", "", t.strip().lower()).replace(" ", "-") for t in titles}

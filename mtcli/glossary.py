@@ -1,0 +1,190 @@
+"""Glossaries: a file of `source term<TAB>target term` pairs, the terms found in a text, and the text marked so a
+model trained with terminology (data.terms) copies the target term.
+
+File: UTF-8, one pair a line, `#` starts a comment line, blank lines are skipped. Matching rules, the same in every
+command that takes a glossary:
+- whole words: a term matches where the text has the same words, with any whitespace between them, and not inside a
+  longer word; in scripts written without spaces (Chinese, Japanese, Thai, ...) every character is a word, so a
+  term matches at any character;
+- case is ignored (Unicode case folding): `apple` matches `Apple` and `APPLE`; the target term is used as written;
+- longest first, then leftmost: of two matches that overlap, the one with more words wins (then the earlier one),
+  and no two matches in a text overlap;
+- a source term given twice keeps its first target term; the others are counted and warned about once.
+
+Matching is a hash lookup of each word span that starts with a term's first word, so its cost grows with the text
+and the longest term, not with the glossary's size (no automaton library needed: a 100,000-entry glossary is one
+dict).
+
+Marking (what terminology-trained models read, Dinu et al. 2019 as OpusTrainer's Tags modifier writes it): each
+matched source term is followed by its target term between marker words, `apples` -> `__source__ apples __target__
+苹果 __done__`. The same text typed into LibreTranslate or any export of the model asks for the term too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import regex
+
+from mtcli.errors import MtcliError
+from mtcli.line_io import check_utf8
+from mtcli.log import logger
+
+SOURCE_MARK, TARGET_MARK, DONE_MARK = "__source__", "__target__", "__done__"
+MARKS = (SOURCE_MARK, TARGET_MARK, DONE_MARK)
+MAX_TERM_WORDS = 32  # a longer "term" is a sentence: refused (it would also make every lookup longer)
+# A word: a run of letters, marks and digits (apostrophes and hyphens inside it kept), one character of a script
+# written without spaces, or one other visible character (punctuation, symbols). Runs are maximal, so a term made of
+# whole words never matches inside a longer word: `apple` is not found in `pineapple` or `pine-apple`.
+WORD = regex.compile(
+    r"[\p{Han}\p{Hiragana}\p{Katakana}\p{Thai}\p{Lao}\p{Khmer}\p{Myanmar}\p{Tibetan}]"
+    r"|[\p{L}\p{M}\p{N}_]+(?:['’\-][\p{L}\p{M}\p{N}_]+)*"
+    r"|[^\s\p{L}\p{M}\p{N}_]"
+)
+
+
+@dataclass(frozen=True)
+class Match:
+    start: int  # character offsets of the source term in the text
+    end: int
+    source: str  # the text's own words there
+    target: str  # the glossary's target term
+
+
+def words(text: str) -> list[tuple[int, int, str]]:
+    """(start, end, case-folded word) of each word of `text`."""
+    return [(m.start(), m.end(), m.group().casefold()) for m in WORD.finditer(text)]
+
+
+@dataclass
+class Glossary:
+    """Source terms (as tuples of case-folded words) and their target terms."""
+
+    terms: dict[tuple[str, ...], str] = field(default_factory=dict)
+    # first word -> the word counts of the terms that start with it, longest first
+    lengths: dict[str, list[int]] = field(default_factory=dict)
+    conflicts: int = 0  # source terms given again with another target term (the first one is kept)
+
+    def add(self, source: str, target: str) -> bool:
+        """Add a pair; False (and nothing changed) when the source term is there already."""
+        key = tuple(w for _, _, w in words(source))
+        if key in self.terms:
+            if self.terms[key] != target:
+                self.conflicts += 1
+            return False
+        self.terms[key] = target
+        counts = self.lengths.setdefault(key[0], [])
+        if len(key) not in counts:
+            counts.append(len(key))
+            counts.sort(reverse=True)
+        return True
+
+    def __len__(self) -> int:
+        return len(self.terms)
+
+    def matches(self, text: str) -> list[Match]:
+        """The glossary's terms in `text`: longest first, then leftmost, never overlapping (see the module's rules)."""
+        found = words(text)
+        out, i = [], 0
+        while i < len(found):
+            for n in self.lengths.get(found[i][2], ()):
+                span = found[i : i + n]
+                if len(span) == n and tuple(w for _, _, w in span) in self.terms:
+                    start, end = span[0][0], span[-1][1]
+                    out.append(Match(start, end, text[start:end], self.terms[tuple(w for _, _, w in span)]))
+                    i += n
+                    break
+            else:
+                i += 1
+        return out
+
+    def mark(self, text: str) -> str:
+        """`text` with each matched term followed by its target term between the marker words."""
+        pieces, last = [], 0
+        for m in self.matches(text):
+            pieces += [text[last : m.start], f"{SOURCE_MARK} {m.source} {TARGET_MARK} {m.target} {DONE_MARK}"]
+            last = m.end
+        return "".join(pieces) + text[last:]
+
+
+def load_glossary(path: Path | str, max_entries: int = 10_000_000) -> Glossary:
+    """Read a glossary file; bad lines are one error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise MtcliError(f"--glossary {path}: no such file")
+    check_utf8(path)
+    glossary = Glossary()
+    with open(path, encoding="utf-8", newline="") as f:
+        for number, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            where = f"{path}:{number}"
+            if "\t" not in line:
+                raise MtcliError(f"{where}: no tab; a glossary line is `source term<TAB>target term`")
+            source, target, *rest = line.split("\t")
+            if rest:
+                raise MtcliError(f"{where}: more than one tab; a glossary line is `source term<TAB>target term`")
+            add_pair(glossary, source.strip(), target.strip(), where)
+            if len(glossary) > max_entries:
+                raise MtcliError(f"{path}: over {max_entries:,} entries")
+    warn_conflicts(glossary, str(path))
+    return glossary
+
+
+def add_pair(glossary: Glossary, source: str, target: str, where: str) -> None:
+    """One pair, checked: `where` names it in an error (a file's line, a request's field)."""
+    if not source or not target:
+        raise MtcliError(f"{where}: an empty {'source' if not source else 'target'} term")
+    n_words = len(words(source))
+    if n_words == 0:
+        raise MtcliError(f"{where}: the source term {source[:50]!r} has no word in it")
+    if n_words > MAX_TERM_WORDS:
+        raise MtcliError(f"{where}: a source term of {n_words} words; terms have at most {MAX_TERM_WORDS}")
+    if any(mark in source or mark in target for mark in MARKS):
+        raise MtcliError(f"{where}: a term holds a marker word ({', '.join(MARKS)}), which mtcli's marking uses")
+    glossary.add(source, target)
+
+
+def warn_conflicts(glossary: Glossary, name: str) -> None:
+    if glossary.conflicts:
+        logger.warning(
+            f"warning: {name}: {glossary.conflicts} source term(s) given again with another target term; the first "
+            "one is used"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Term accuracy
+
+
+@dataclass(frozen=True)
+class TermCheck:
+    """One expected target term of one line."""
+
+    line: int  # 0-based
+    source: str
+    target: str
+
+
+def expected_terms(glossary: Glossary, sources: list[str]) -> list[TermCheck]:
+    """The target terms a translation of each source line should hold: one per glossary match."""
+    return [TermCheck(i, m.source, m.target) for i, text in enumerate(sources) for m in glossary.matches(text)]
+
+
+def term_accuracy(checks: list[TermCheck], hypotheses: list[str]) -> dict:
+    """Exact-match term accuracy: the share of expected target terms that occur in their line's translation, case
+    sensitive and ignoring case (the WMT 2021 terminology task's exact-match measure). A term expected twice in a
+    line must occur twice."""
+    if not checks:
+        return {"terms": 0, "accuracy": None, "accuracy_lc": None}
+    wanted = Counter((c.line, c.target) for c in checks)
+    hits = hits_lc = 0
+    for (line, target), count in wanted.items():
+        hyp = hypotheses[line]
+        hits += min(count, hyp.count(target))
+        hits_lc += min(count, hyp.casefold().count(target.casefold()))
+    n = len(checks)
+    return {"terms": n, "accuracy": round(100 * hits / n, 2), "accuracy_lc": round(100 * hits_lc / n, 2)}
