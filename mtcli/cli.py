@@ -85,6 +85,12 @@ ProbeOpt = typer.Option(None, "--probe", help="Source lines for the parity repor
 ProbeRefOpt = typer.Option(None, "--probe-ref", help="References of --probe's lines (reference BLEU in the report).")
 ProbeLinesOpt = typer.Option(500, "--probe-lines", help="At most this many probe lines (plus 7 stress lines).")
 NoCheckOpt = typer.Option(False, "--no-check", help="Write the export even where the parity report diverges.")
+GlossaryOpt = typer.Option(
+    None,
+    "--glossary",
+    help="A glossary: `source term<TAB>target term` lines (UTF-8, # comments). The target term of every source term "
+    "found in a line is written in its translation (decode.constraints: hard, the default; off: not applied).",
+)
 ImportNoCheckOpt = typer.Option(False, "--no-check", help="Write the run even where the parity report diverges.")
 FORMATS = {"hf": "hf", "transformers": "hf", "huggingface": "hf", "ctranslate2": "ctranslate2", "ct2": "ctranslate2"}
 FORMATS |= {"argos": "argos", "argostranslate": "argos"}
@@ -197,6 +203,7 @@ def data_synthesize(
         "up to 25% jitter, at most 30 s each; a server's Retry-After up to 60 s instead): 12 to 17 min at the "
         "defaults.",
     ),
+    glossary: Path = GlossaryOpt,
     device: str = DeviceOpt,
     force: bool = ForceOpt,
 ):
@@ -219,14 +226,14 @@ def data_synthesize(
         raise MtcliError(f"--chunk-lines {chunk_lines}: must be positive")
     if not (max_ratio is None or max_ratio == 0 or max_ratio >= 1) or not 0 <= drop_worst < 1:
         raise MtcliError("--max-ratio must be 0 (off) or at least 1, --drop-worst at least 0 and under 1")
-    refuse_input_overlap(out, [input_file, *(t for t in teachers if not is_url(t))], "--out")
+    refuse_input_overlap(out, [input_file, glossary, *(t for t in teachers if not is_url(t))], "--out")
     cfg = load_config(config, overrides or []) if config else None
     langs = (src_lang or (cfg.data.src_lang if cfg else None), tgt_lang or (cfg.data.tgt_lang if cfg else None))
     if cfg and not is_url(teachers[0]):
         langs = (None, None)  # a run knows its languages; split_lines checks they fit the config's data
     options = dict(beam=beam, lenpen=lenpen, sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
     options |= dict(precision=precision)
-    teacher = open_teacher(teachers, langs, [], device, api_key, retries, timeout, **options)
+    teacher = open_teacher(teachers, langs, [], device, api_key, retries, timeout, glossary, **options)
     lines = split_lines(cfg, split, teacher.src_lang) if cfg else file_lines(input_file)
     ratio = max_ratio if max_ratio is not None else (cfg.data.max_ratio if cfg else 3.0)
     synthesize(teacher, lines, out, chunk_lines, Filters(ratio, min_score, drop_worst), force)
@@ -321,6 +328,7 @@ def translate(
     ),
     precision: str = PrecisionOpt,
     ensemble: list[Path] = EnsembleOpt,
+    glossary: Path = GlossaryOpt,
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
     force: bool = typer.Option(False, "--force", help="Replace an existing --output file."),
@@ -339,7 +347,7 @@ def translate(
     options |= dict(sampling=sampling, temperature=temperature, top_k=top_k, top_p=top_p)
     options |= dict(batch_tokens=batch_tokens, precision=precision)
     translator, decode = load_translator(
-        ckpt, read_config(ckpt), overrides or [], device, ensemble or [], split_long, **options
+        ckpt, read_config(ckpt), overrides or [], device, ensemble or [], split_long, glossary, **options
     )
     translate_source(translator, decode, source, output_file, force)
 
@@ -367,6 +375,18 @@ def evaluate(
     lowercase: bool = typer.Option(False, "--lowercase", help="Case-insensitive BLEU and chrF (sacreBLEU -lc)."),
     precision: str = PrecisionOpt,
     ensemble: list[Path] = EnsembleOpt,
+    glossary: Path = typer.Option(
+        None,
+        "--glossary",
+        help="A glossary (`source term<TAB>target term` lines): its terms are asked of the translation as "
+        "decode.constraints says, and term accuracy is reported beside the scores.",
+    ),
+    terms: Path = typer.Option(
+        None,
+        "--terms",
+        help="Terms per source line, as the WMT 2021 terminology task gives them: `line<TAB>source term<TAB>target "
+        "term` (lines from 1): asked of that line's translation, and term accuracy reported.",
+    ),
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -380,6 +400,7 @@ def evaluate(
     from mtcli.checkpoint import resolve_checkpoint, run_of
     from mtcli.evaluate import eval_config, evaluation_set, format_report
     from mtcli.evaluate import evaluate as run_eval
+    from mtcli.glossary import expected_terms, load_line_terms
     from mtcli.outputs import check_file_target
     from mtcli.scoring import ScoreOptions, parse_metrics
     from mtcli.translate import load_translator
@@ -390,14 +411,23 @@ def evaluate(
     ckpt = resolve_checkpoint(run, checkpoint)
     config = eval_config(ckpt, run if checkpoint is not None else None)
     sources, references, stem = evaluation_set(config, split, src, refs or [])  # before the model loads
+    if glossary is not None and terms is not None:
+        raise MtcliError("give --glossary or --terms, not both")
+    line_terms, term_checks = load_line_terms(terms, len(sources)) if terms is not None else (None, None)
     options = dict(beam=beam, lenpen=lenpen, batch_tokens=batch_tokens, precision=precision)
     translator, decode = load_translator(
-        ckpt, config, overrides or [], device, ensemble or [], nbest=1, sampling=False, **options
+        ckpt, config, overrides or [], device, ensemble or [], False, glossary, nbest=1, sampling=False, **options
     )
+    if line_terms is not None:
+        translator.glossary = line_terms
+    elif translator.glossary is not None:
+        term_checks = expected_terms(translator.glossary, sources)
     out_dir = run_of(ckpt) / "eval"
     name = f"{stem}.{ckpt.name}" + (f".ensemble{len(translator.ensemble) + 1}" if translator.ensemble else "")
     compare = compare or []
-    result = run_eval(translator, sources, references, decode, out_dir, name, scoring, compare, sentence_scores, True)
+    result = run_eval(
+        translator, sources, references, decode, out_dir, name, scoring, compare, sentence_scores, True, term_checks
+    )
     result["checkpoint"] = str(ckpt)
     result["ensemble"] = [str(p) for p in translator.ensemble]
     print(json.dumps(result, indent=1, ensure_ascii=False) if as_json else format_report(result))
@@ -599,6 +629,13 @@ def serve(
         16_384, "--max-tokens", help="Source subwords per request, after tokenizing (413 above)."
     ),
     body_timeout: float = typer.Option(10.0, "--body-timeout", help="Seconds for a request's body to arrive (408)."),
+    glossary: Path = typer.Option(
+        None,
+        "--glossary",
+        help="A glossary for every request (`source term<TAB>target term` lines); a request's own `glossary` field "
+        "(a list of [source, target] pairs) replaces it for that request.",
+    ),
+    max_glossary: int = typer.Option(1000, "--max-glossary", help="Pairs in a request's own glossary (413 above)."),
 ):
     """Serve a trained run over HTTP: POST /translate and GET /languages (LibreTranslate's API), POST /v1/translate
     (every decode setting, scores, n-best), GET /health, /metrics and / (a page to try it). Needs the serve extra:
@@ -624,10 +661,11 @@ def serve(
         read_api_keys(api_keys),
         max_tokens=max_tokens,
         body_timeout=body_timeout,
+        max_glossary=max_glossary,
     )
     ckpt = resolve_checkpoint(run, checkpoint)
     translator, decode = load_translator(
-        ckpt, read_config(ckpt), overrides or [], device, ensemble or [], precision=precision
+        ckpt, read_config(ckpt), overrides or [], device, ensemble or [], glossary=glossary, precision=precision
     )
     run_server(translator, decode, limits, host, port)
 

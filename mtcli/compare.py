@@ -15,6 +15,7 @@ from sacrebleu.significance import PairedTest
 from mtcli.checkpoint import resolve_member
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
+from mtcli.glossary import TermCheck, term_accuracy
 from mtcli.line_io import read_lines
 from mtcli.scoring import (
     ScoreOptions,
@@ -72,10 +73,11 @@ def compare_systems(
     decode: DecodeConfig,
     options: ScoreOptions,
     progress: bool = False,
+    term_checks: list[TermCheck] | None = None,
 ) -> dict:
     """Hypotheses of each of `others` (a run, a checkpoint folder, or a file of line-aligned translations), written
     beside the baseline's (name, file, hypotheses), then both paired tests against the baseline, with the
-    `sacrebleu` calls that repeat them."""
+    `sacrebleu` calls that repeat them; with `term_checks`, each system's term accuracy."""
     tgt_lang = translator.config.data.tgt_lang
     references, ref_paths = refs
     name, base_path, base_hyps = baseline
@@ -96,12 +98,16 @@ def compare_systems(
             )
             for metric in group:
                 commands.setdefault(metric, {})[test] = command
+    rows = [
+        {"name": n, "hypotheses": str(p), "scores": {metric: table[metric][i] for metric in options.metrics}}
+        for i, (n, p, _) in enumerate(systems)
+    ]
+    if term_checks is not None:
+        for row, (_, _, hypotheses) in zip(rows, systems):
+            row["terms"] = term_accuracy(term_checks, hypotheses)
     return {
         "tests": TESTS,
-        "systems": [
-            {"name": n, "hypotheses": str(p), "scores": {metric: table[metric][i] for metric in options.metrics}}
-            for i, (n, p, _) in enumerate(systems)
-        ],
+        "systems": rows,
         "signatures": signatures,
         "commands": commands,
     }
@@ -109,7 +115,7 @@ def compare_systems(
 
 def other_hypotheses(other: str, translator: Translator, sources: list[str], decode: DecodeConfig, progress: bool):
     """A compared system's translations of `sources`: read from a file, or made by a run or checkpoint folder with
-    the baseline's decode settings and precision."""
+    the baseline's decode settings, precision and glossary."""
     path = Path(other)
     if path.is_file():
         lines = [" ".join(line.split()) for line in read_lines(path)]
@@ -123,7 +129,15 @@ def other_hypotheses(other: str, translator: Translator, sources: list[str], dec
     tgt_lang, other_lang = translator.config.data.tgt_lang, model.config.data.tgt_lang
     if other_lang != tgt_lang:
         raise MtcliError(f"--compare {other}: translates into {other_lang}, the baseline into {tgt_lang}")
+    model.glossary = translator.glossary  # the same terms asked of every system
     return model.translate(sources, decode, progress)
+
+
+def format_terms(terms: dict) -> str:
+    """Term accuracy as eval prints it."""
+    if not terms["terms"]:
+        return "no glossary term in the sources"
+    return f"{terms['accuracy']:.2f}% (ignoring case {terms['accuracy_lc']:.2f}%) of {terms['terms']:,} terms"
 
 
 def format_comparison(comparison: dict) -> str:
@@ -138,6 +152,8 @@ def format_comparison(comparison: dict) -> str:
             if s.get("identical_to_baseline"):
                 p = ["1 (same translations)"] * 2
             rows.append((name, metric, f"{s['score']:.2f}", delta, f"{s['mean']:.2f} ± {s['ci']:.2f}", *p))
+        if "terms" in system:
+            rows.append((name, "terms", format_terms(system["terms"]), "", "", "", ""))
     widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     tests = "; ".join(comparison["tests"].values())

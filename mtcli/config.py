@@ -337,6 +337,10 @@ class DecodeConfig:
     # quantization of the linear layers, an option for CPUs without bf16 units
     precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
     src_prefix: str | None = None  # null: data.src_prefix; e.g. `>>fra<<` to pick another target language
+    # What a glossary (translate/eval/serve/data synthesize --glossary) does: hard, the target term of every source
+    # term found in a line is written in its translation (constrained beam search, mtcli/constrained.py); off: the
+    # glossary is not applied (eval still reports term accuracy)
+    constraints: Literal["hard", "off"] = "hard"
 
     def __post_init__(self):
         _check_numbers(self, "decode")
@@ -347,6 +351,7 @@ class DecodeConfig:
         # ((5 + length) / 6) ** lenpen overflows a float past ~70 at the longest outputs; tuned values are 0-2.
         _check(0 <= self.lenpen <= 10, "decode.lenpen", "must be between 0 and 10")
         _check(self.length_norm in ("gnmt", "power"), "decode.length_norm", "must be gnmt or power")
+        _check(self.constraints in ("hard", "off"), "decode.constraints", "must be hard or off")
         _check(self.max_len_a >= 0 and self.max_len_b >= 0, "decode.max_len_a", "max_len_a and max_len_b must be >= 0")
         _check(self.max_len_a > 0 or self.max_len_b > 0, "decode.max_len_b", "max_len_a and max_len_b cannot both be 0")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")

@@ -227,6 +227,8 @@ def _coerce(hint: Any, value: Any, key: str, source: str) -> Any:
                 errors.append(e)
         raise errors[0]
     if origin is Literal:
+        if value is False and "off" in args:  # YAML 1.1 reads a bare `off` as false
+            value = "off"
         if value not in args:
             choices = ", ".join(str(a) for a in args)
             raise ConfigError(f"{key}: `{shown(value)}` is not one of: {choices} (in {source})")

@@ -14,12 +14,13 @@ import torch
 
 from mtcli.batching import collate, epoch_batches
 from mtcli.checkpoint import read_config, read_tokenizer, run_of
-from mtcli.compare import compare_systems, format_comparison
+from mtcli.compare import compare_systems, format_comparison, format_terms
 from mtcli.config import Config, DecodeConfig
 from mtcli.config_loader import load_config, replaced
 from mtcli.corpus import describe_source
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError
+from mtcli.glossary import TermCheck, term_accuracy
 from mtcli.inference import inference_model, translation_precision
 from mtcli.line_io import read_lines
 from mtcli.loss import projection_cross_entropy, target_states
@@ -47,10 +48,12 @@ def evaluate(
     compare: list[str] | tuple[str, ...] = (),
     sentence_file: Path | None = None,
     progress: bool = False,
+    term_checks: list[TermCheck] | None = None,
 ) -> dict:
     """Translate `sources`, write hypotheses and references under `out_dir` and score them; with `compare` (runs,
     checkpoint folders or hypothesis files), paired tests of each against this system; with `sentence_file`, the
-    sentence-level scores there, one JSON line per segment."""
+    sentence-level scores there, one JSON line per segment; with `term_checks` (the target terms each line's
+    translation should hold), exact-match term accuracy, of every system compared too."""
 
     for other in compare:  # before translating: a typo should not cost a translation of the whole set first
         if not Path(other).exists():
@@ -74,6 +77,8 @@ def evaluate(
             "precision_reason": translator.precision_reason,
         }
     )
+    if term_checks is not None:
+        result["terms"] = term_accuracy(term_checks, hypotheses)
     if sentence_file is not None:
         result["sentence_scores"] = write_sentence_scores(
             sentence_file, sources, hypotheses, references, (hyp_path, ref_paths), tgt_lang, options
@@ -81,7 +86,7 @@ def evaluate(
     if compare:
         baseline = (hyp_path.name, hyp_path, hypotheses)
         result["comparison"] = compare_systems(
-            translator, baseline, compare, sources, (references, ref_paths), decode, options, progress
+            translator, baseline, compare, sources, (references, ref_paths), decode, options, progress, term_checks
         )
     return result
 
@@ -119,6 +124,8 @@ def write_sentence_scores(
 def format_report(result: dict) -> str:
     """The text `mtcli eval` prints: each score with its signature, the files and the commands that repeat them."""
     lines = [f"{entry['detail']}  [{entry['signature']}]" for entry in result["scores"].values()]
+    if "terms" in result:
+        lines.append(f"term accuracy (exact match): {format_terms(result['terms'])}")
     lines.append(f"precision: {result['precision']}, beam {result['beam']}, length penalty {result['lenpen']}")
     if result.get("ensemble"):
         lines.append(f"ensemble: {result['checkpoint']}, {', '.join(result['ensemble'])} (probabilities averaged)")

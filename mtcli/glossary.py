@@ -1,5 +1,5 @@
-"""Glossaries: a file of `source term<TAB>target term` pairs, the terms found in a text, and the text marked so a
-model trained with terminology (data.terms) copies the target term.
+"""Glossaries: a file of `source term<TAB>target term` pairs, the terms found in a text (constrained.py then writes
+their target terms), and term accuracy.
 
 File: UTF-8, one pair a line, `#` starts a comment line, blank lines are skipped. Matching rules, the same in every
 command that takes a glossary:
@@ -14,10 +14,6 @@ command that takes a glossary:
 Matching is a hash lookup of each word span that starts with a term's first word, so its cost grows with the text
 and the longest term, not with the glossary's size (no automaton library needed: a 100,000-entry glossary is one
 dict).
-
-Marking (what terminology-trained models read, Dinu et al. 2019 as OpusTrainer's Tags modifier writes it): each
-matched source term is followed by its target term between marker words, `apples` -> `__source__ apples __target__
-苹果 __done__`. The same text typed into LibreTranslate or any export of the model asks for the term too.
 """
 
 from __future__ import annotations
@@ -32,8 +28,6 @@ from mtcli.errors import MtcliError
 from mtcli.line_io import check_utf8
 from mtcli.log import logger
 
-SOURCE_MARK, TARGET_MARK, DONE_MARK = "__source__", "__target__", "__done__"
-MARKS = (SOURCE_MARK, TARGET_MARK, DONE_MARK)
 MAX_TERM_WORDS = 32  # a longer "term" is a sentence: refused (it would also make every lookup longer)
 # A word: a run of letters, marks and digits (apostrophes and hyphens inside it kept), one character of a script
 # written without spaces, or one other visible character (punctuation, symbols). Runs are maximal, so a term made of
@@ -66,8 +60,9 @@ class Glossary:
     # first word -> the word counts of the terms that start with it, longest first
     lengths: dict[str, list[int]] = field(default_factory=dict)
     conflicts: int = 0  # source terms given again with another target term (the first one is kept)
+    origins: dict[tuple[str, ...], str] = field(default_factory=dict)  # where each term was given, for errors
 
-    def add(self, source: str, target: str) -> bool:
+    def add(self, source: str, target: str, where: str = "") -> bool:
         """Add a pair; False (and nothing changed) when the source term is there already."""
         key = tuple(w for _, _, w in words(source))
         if key in self.terms:
@@ -75,6 +70,7 @@ class Glossary:
                 self.conflicts += 1
             return False
         self.terms[key] = target
+        self.origins[key] = where
         counts = self.lengths.setdefault(key[0], [])
         if len(key) not in counts:
             counts.append(len(key))
@@ -99,14 +95,6 @@ class Glossary:
             else:
                 i += 1
         return out
-
-    def mark(self, text: str) -> str:
-        """`text` with each matched term followed by its target term between the marker words."""
-        pieces, last = [], 0
-        for m in self.matches(text):
-            pieces += [text[last : m.start], f"{SOURCE_MARK} {m.source} {TARGET_MARK} {m.target} {DONE_MARK}"]
-            last = m.end
-        return "".join(pieces) + text[last:]
 
 
 def load_glossary(path: Path | str, max_entries: int = 10_000_000) -> Glossary:
@@ -143,9 +131,7 @@ def add_pair(glossary: Glossary, source: str, target: str, where: str) -> None:
         raise MtcliError(f"{where}: the source term {source[:50]!r} has no word in it")
     if n_words > MAX_TERM_WORDS:
         raise MtcliError(f"{where}: a source term of {n_words} words; terms have at most {MAX_TERM_WORDS}")
-    if any(mark in source or mark in target for mark in MARKS):
-        raise MtcliError(f"{where}: a term holds a marker word ({', '.join(MARKS)}), which mtcli's marking uses")
-    glossary.add(source, target)
+    glossary.add(source, target, where)
 
 
 def warn_conflicts(glossary: Glossary, name: str) -> None:
@@ -154,6 +140,33 @@ def warn_conflicts(glossary: Glossary, name: str) -> None:
             f"warning: {name}: {glossary.conflicts} source term(s) given again with another target term; the first "
             "one is used"
         )
+
+
+def load_line_terms(path: Path | str, lines: int) -> tuple[list[Glossary], list[TermCheck]]:
+    """A terms file for a test set, as the WMT 2021 terminology task gives them: `line<TAB>source term<TAB>target
+    term` (line numbers from 1; # comments). Returns one glossary per line (what its translation is asked to hold)
+    and the expected target terms (term accuracy counts each, whether or not its source term matches the line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise MtcliError(f"--terms {path}: no such file")
+    check_utf8(path)
+    glossaries = [Glossary() for _ in range(lines)]
+    checks = []
+    with open(path, encoding="utf-8", newline="") as f:
+        for number, text in enumerate(f, 1):
+            text = text.rstrip("\r\n")
+            if not text.strip() or text.lstrip().startswith("#"):
+                continue
+            where = f"{path}:{number}"
+            fields = text.split("\t")
+            if len(fields) != 3 or not fields[0].strip().isdigit():
+                raise MtcliError(f"{where}: a terms line is `line number<TAB>source term<TAB>target term`")
+            line, source, target = int(fields[0]), fields[1].strip(), fields[2].strip()
+            if not 1 <= line <= lines:
+                raise MtcliError(f"{where}: line {line} is not a line of the {lines:,} sources")
+            add_pair(glossaries[line - 1], source, target, where)
+            checks.append(TermCheck(line - 1, source, target))
+    return glossaries, checks
 
 
 # ---------------------------------------------------------------------------------------------------------------------

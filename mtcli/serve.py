@@ -37,6 +37,7 @@ from mtcli.serve_requests import (
     listed,
     read_alternatives,
     read_fields,
+    read_glossary,
     read_texts,
     shown,
     text_format,
@@ -148,7 +149,8 @@ class Server:
         language(fields.get("target"), self.tgt, f"{self.src} to {self.tgt}")
         n = read_alternatives(fields.get("alternatives"), self.limits)
         decode = replace(self.decode, beam=max(self.decode.beam, n + 1), nbest=n + 1) if n else self.decode
-        results = await self.translate_texts(request, texts, decode, text_format(fields.get("format")), True)
+        glossary = self.read_glossary(fields)
+        results = await self.translate_texts(request, texts, decode, text_format(fields.get("format")), True, glossary)
         best = [hyps[0].text for hyps in results]
         answer: dict = {"translatedText": best[0] if single else best}
         if n:
@@ -172,7 +174,8 @@ class Server:
         if fmt == "html" and not split:
             raise HTTPError(422, "split_sentences: false applies to format text only")
         decode = decode_options(fields, self.decode, self.limits, self.translator.config.model.max_positions)
-        results = await self.translate_texts(request, texts, decode, fmt, split)
+        glossary = self.read_glossary(fields)
+        results = await self.translate_texts(request, texts, decode, fmt, split, glossary)
         translations = []
         for hyps in results:
             item = {"text": hyps[0].text, "score": hyps[0].score, "log_prob": hyps[0].log_prob}
@@ -200,10 +203,12 @@ class Server:
             return split_html(text, self.src)
         return split_text(text, self.src) if split else Segments([text], ["", ""])
 
-    async def translate_texts(self, request: Request, texts: list[str], decode: DecodeConfig, fmt: str, split: bool):
+    async def translate_texts(
+        self, request: Request, texts: list[str], decode: DecodeConfig, fmt: str, split: bool, glossary=None
+    ):
         """Each text's n-best list (one entry without nbest): cut into sentences, a sentence longer than the
         positions into pieces that fit (as `mtcli translate --split-long` does), the pieces translated by the
-        worker, and all joined back."""
+        worker (with the request's glossary, else the server's), and all joined back."""
         segments = [self.cut(text, fmt, split) for text in texts]
         # HTML: each inline element's text is translated too, to find its words in the sentence's translation
         mark_texts = [s.mark_texts() for s in segments]
@@ -225,7 +230,7 @@ class Server:
                 lengths += [len(x) + 1 for x in t.source_ids(cut[-1], decode)]
         pieces = [piece for parts in cut for piece in parts]
         self.check_count(len(pieces), "sentences and pieces of long ones")
-        hyps = iter(await self.run(request, pieces, lengths, decode) if pieces else [])
+        hyps = iter(await self.run(request, pieces, lengths, decode, glossary) if pieces else [])
         sep = word_separator(self.tgt)
         whole = iter([combine_nbest([next(hyps) for _ in parts], sep.join) for parts in cut])
         results = []
@@ -235,16 +240,28 @@ class Server:
             results.append(combine_nbest(pieces, lambda t, s=s, marks=marks: join(s, t, self.tgt, marks)))
         return results
 
+    def read_glossary(self, fields: dict):
+        """The request's own glossary (None: the server's), its terms checked against the model's positions."""
+        glossary = read_glossary(fields.get("glossary"), self.limits)
+        if glossary is not None:
+            try:
+                self.translator.check_terms(glossary)
+            except MtcliError as e:
+                raise HTTPError(400, str(e)) from None
+        return glossary
+
     def check_count(self, count: int, what: str) -> None:
         if count > self.limits.max_sentences:
             limit = f"the limit is {self.limits.max_sentences:,} per request (--max-sentences)"
             raise HTTPError(413, f"the texts hold {count:,} {what}; {limit}")
 
-    async def run(self, request: Request, sentences: list[str], lengths: list[int], decode: DecodeConfig) -> list:
+    async def run(
+        self, request: Request, sentences: list[str], lengths: list[int], decode: DecodeConfig, glossary=None
+    ) -> list:
         """The worker's n-best lists for `sentences`; a 503 (with Retry-After) when the queue is full or the
         request's time runs out. Whatever ends the wait, what is left of the job leaves the queue."""
         try:
-            job = self.worker.submit(sentences, lengths, decode, asyncio.get_running_loop())
+            job = self.worker.submit(sentences, lengths, decode, asyncio.get_running_loop(), glossary)
         except QueueFull as e:
             queued, size = self.worker.queued, self.limits.queue_size
             busy = f"the server is busy ({queued:,} sentences queued, --queue-size {size})"

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
+from mtcli.glossary import Glossary, add_pair
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -42,8 +43,9 @@ NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with 
     "temperature": float,
     "top_k": int,
     "top_p": float,
+    "constraints": str,
 }
-NATIVE_FIELDS = {"texts", "format", "split_sentences", "api_key", *NATIVE_OPTIONS}
+NATIVE_FIELDS = {"texts", "format", "split_sentences", "api_key", "glossary", *NATIVE_OPTIONS}
 # Where decoding stays well-defined, with a wide margin: past them, scores and probabilities overflow or underflow (on
 # the toy model a length penalty of 1,000 overflowed, temperature 1e308 and top_p 1e-300 left no token to sample;
 # 500, 1e30 and 1e-40 still worked)
@@ -61,6 +63,7 @@ class ServeLimits:
     max_beam: int = 16
     api_keys: frozenset[str] = frozenset()
     max_tokens: int = 16_384  # source subwords per request, after cutting and tokenizing
+    max_glossary: int = 1000  # pairs in a request's glossary
     body_timeout: float = 10.0  # seconds for a request's body to arrive (at most timeout)
 
     def __post_init__(self):
@@ -72,6 +75,7 @@ class ServeLimits:
             ("--timeout", self.timeout),
             ("--max-beam", self.max_beam),
             ("--max-tokens", self.max_tokens),
+            ("--max-glossary", self.max_glossary),
             ("--body-timeout", self.body_timeout),
         ):
             if not 0 < value < math.inf:  # also refuses NaN
@@ -323,6 +327,30 @@ def read_alternatives(value, limits: ServeLimits) -> int:
     if value > limits.max_beam - 1:
         raise HTTPError(422, f"alternatives {shown(str(value))} is over this server's limit of {limits.max_beam - 1}")
     return max(value, 0)
+
+
+def read_glossary(value, limits: ServeLimits) -> Glossary | None:
+    """A request's own glossary: a list of [source term, target term] pairs, at most --max-glossary of them, each
+    checked as a glossary file's line is (the request's `glossary[i]` named in the error)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise HTTPError(400, f"glossary: expected a list of [source term, target term] pairs, got {json_type(value)}")
+    if len(value) > limits.max_glossary:
+        raise HTTPError(
+            413, f"glossary: {len(value):,} pairs; the limit is {limits.max_glossary:,} per request (--max-glossary)"
+        )
+    glossary = Glossary()
+    for i, pair in enumerate(value):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise HTTPError(400, f"glossary[{i}]: expected [source term, target term] (two strings)")
+        if len(pair[0]) + len(pair[1]) > limits.max_chars:
+            raise HTTPError(413, f"glossary[{i}]: longer than a text may be (--max-chars {limits.max_chars:,})")
+        try:
+            add_pair(glossary, pair[0].strip(), pair[1].strip(), f"glossary[{i}]")
+        except MtcliError as e:
+            raise HTTPError(400, str(e)) from None
+    return glossary
 
 
 def decode_options(fields: dict, decode: DecodeConfig, limits: ServeLimits, positions: int) -> DecodeConfig:

@@ -68,6 +68,7 @@ class Job:
     results: list = field(init=False)  # each sentence's n-best list (None until translated)
     translated: int = 0  # sentences with results (changed by the worker thread only)
     cancelled: bool = False  # its client is gone or a part failed: nothing more of it is translated
+    glossary: object = None  # the request's own glossary (a mtcli.glossary.Glossary), else the server's
 
     def __post_init__(self):
         self.results = [None] * len(self.sentences)
@@ -204,11 +205,16 @@ class Worker:
         return {"queue": queue, "batch": batch}
 
     def submit(
-        self, sentences: list[str], lengths: list[int], decode: DecodeConfig, loop: asyncio.AbstractEventLoop
+        self,
+        sentences: list[str],
+        lengths: list[int],
+        decode: DecodeConfig,
+        loop: asyncio.AbstractEventLoop,
+        glossary=None,
     ) -> Job:
-        """Queue a request's sentences (their lengths in source subwords); QueueFull (with a Retry-After estimate)
-        when they do not fit."""
-        job = Job(sentences, lengths, decode, loop, loop.create_future())
+        """Queue a request's sentences (their lengths in source subwords) and its own glossary, if any; QueueFull
+        (with a Retry-After estimate) when they do not fit."""
+        job = Job(sentences, lengths, decode, loop, loop.create_future(), glossary=glossary)
         with self.changed:
             if self.queued + len(sentences) > self.queue_size:
                 raise QueueFull(self.retry_after())
@@ -334,8 +340,11 @@ class Worker:
 
     def _translate_items(self, items: list[tuple[Job, int]], decode: DecodeConfig) -> None:
         sentences = [job.sentences[i] for job, i in items]
+        options = {}
+        if any(job.glossary is not None for job, _ in items):  # each sentence its request's glossary, else the server's
+            options["glossary"] = [job.glossary or self.translator.glossary for job, _ in items]
         start_time = time.perf_counter()
-        hyps = self.translator.translate_nbest(sentences, decode)  # long sentences were cut before they were queued
+        hyps = self.translator.translate_nbest(sentences, decode, **options)  # long sentences were cut before queueing
         seconds = time.perf_counter() - start_time
         self.metrics.batch(len(sentences), seconds)
         rate = len(sentences) / max(seconds, 1e-6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import hashlib
 import http.client
 import json
 import math
@@ -61,14 +62,16 @@ class TeacherOutput:
 class ModelTeacher:
     """A run or checkpoint (with --teacher given more than once: an ensemble) translating with mtcli's search."""
 
-    def __init__(self, paths: list[Path], overrides: list[str], device: str, **options):
+    def __init__(self, paths: list[Path], overrides: list[str], device: str, glossary: Path | None = None, **options):
         checkpoint = resolve_member(paths[0])
         self.config: Config = read_config(checkpoint)
         # split_long: a line over the positions is translated in pieces, never cut (a cut line would pair the whole
         # source with a translation of its start)
         self.translator, self.decode = load_translator(
-            checkpoint, self.config, overrides, device, paths[1:], split_long=True, **options
+            checkpoint, self.config, overrides, device, paths[1:], split_long=True, glossary=glossary, **options
         )
+        # a glossary changes the translations: its content is part of what identifies them
+        self.glossary_hash = hashlib.sha256(Path(glossary).read_bytes()).hexdigest() if glossary else None
         self.src_lang, self.tgt_lang = self.config.data.src_lang, self.config.data.tgt_lang
         members = [checkpoint, *self.translator.ensemble]
         # what translates: weights and tokenizer files (a training checkpoint's state.pt changes nothing)
@@ -78,7 +81,8 @@ class ModelTeacher:
     def identity(self) -> dict:
         files = [[str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in self.files]
         decode = asdict(self.decode) | {"precision": self.translator.precision}
-        return {"kind": "model", "files": files, "decode": decode}
+        identity = {"kind": "model", "files": files, "decode": decode}
+        return identity | ({"glossary": self.glossary_hash} if self.glossary_hash else {})
 
     def translate(self, lines: list[str], chunk: int) -> list[TeacherOutput]:
         if self.decode.sampling:  # each chunk its own stream: a resumed run samples what an uninterrupted one did
@@ -362,13 +366,19 @@ def open_teacher(
     api_key: str | None = None,
     retries: int = HTTP_RETRIES,
     timeout: float = HTTP_TIMEOUT,
+    glossary: Path | None = None,
     **options,
 ):
     """A ModelTeacher for runs or checkpoint folders (several: an ensemble), an HttpTeacher for one URL. `langs`:
-    the language pair an HTTP teacher is asked for (a model teacher knows its own)."""
+    the language pair an HTTP teacher is asked for (a model teacher knows its own). `glossary`: a glossary file the
+    model teacher's translations follow (decode.constraints)."""
     if not teachers:
         raise MtcliError("--teacher: give a run, a checkpoint folder or a LibreTranslate URL")
     if any(is_url(t) for t in teachers):
+        if glossary is not None:
+            raise MtcliError(
+                f"--teacher {teachers[0]}: LibreTranslate's API has no glossary; --glossary needs a model teacher"
+            )
         if len(teachers) > 1:
             raise MtcliError("--teacher: an HTTP teacher cannot be part of an ensemble; give one URL")
         if None in langs:
@@ -379,7 +389,7 @@ def open_teacher(
     for path in teachers:
         if not Path(path).exists():
             raise MtcliError(f"--teacher {path}: no such run directory or checkpoint folder")
-    teacher = ModelTeacher([Path(t) for t in teachers], list(overrides), device, **options)
+    teacher = ModelTeacher([Path(t) for t in teachers], list(overrides), device, glossary, **options)
     for given, own, side in zip(langs, (teacher.src_lang, teacher.tgt_lang), ("source", "target")):
         if given is not None and given != own:
             raise MtcliError(

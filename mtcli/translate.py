@@ -21,9 +21,11 @@ from mtcli.batching import collate, translation_batches
 from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
 from mtcli.config_loader import replaced, with_overrides
+from mtcli.constrained import constrained_beam_search
 from mtcli.device import resolve_device
 from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
+from mtcli.glossary import Glossary, load_glossary
 from mtcli.inference import inference_model, translation_precision
 from mtcli.log import logger, progress_bar
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
@@ -40,6 +42,9 @@ class Translation:
     log_prob: float  # log-probability (with EOS)
     tokens: list[int]  # output subword ids, without BOS and EOS
 
+
+# a character a term of a language without spaces follows in a sentence (Translator.term_ids)
+TERM_CONTEXT = "。"
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The translator
@@ -69,6 +74,9 @@ class Translator:
         self.checkpoint: Path | None = None  # where the weights came from, when loaded from a checkpoint
         self.ensemble: list[Path] = []  # the other members' checkpoints, when it translates as an ensemble
         self.split_long = split_long
+        # applied as decode.constraints says: a Glossary, or one per line of what it translates next (eval --terms)
+        self.glossary: Glossary | list[Glossary] | None = None
+        self._term_ids: dict[str, list[int]] = {}
 
     @classmethod
     def from_checkpoint(
@@ -136,19 +144,24 @@ class Translator:
         return [hyps[0].text for hyps in self.translate_nbest(lines, decode, progress, **options)]
 
     def translate_nbest(
-        self, lines: list[str], decode: DecodeConfig | None = None, progress=False, **options
+        self, lines: list[str], decode: DecodeConfig | None = None, progress=False, glossary=None, **options
     ) -> list[list[Translation]]:
         """decode.nbest translations (best first, with scores) for each line, in order. Empty lines give empty
-        outputs; lines longer than the model's positions are truncated, with one warning (split, with split_long)."""
+        outputs; lines longer than the model's positions are truncated, with one warning (split, with split_long).
+        `glossary` (a Glossary, or one per line; default the translator's own) is applied as decode.constraints
+        says."""
         decode = self.decode_config(decode, **options)
         if self.split_long:
-            return translate_long_lines(self, lines, decode, progress)
-        return self.translate_lines(lines, decode, progress)
+            return translate_long_lines(self, lines, decode, progress, glossary)
+        return self.translate_lines(lines, decode, progress, glossary)
 
-    def translate_lines(self, lines: list[str], decode: DecodeConfig, progress=False) -> list[list[Translation]]:
+    def translate_lines(
+        self, lines: list[str], decode: DecodeConfig, progress=False, glossary=None
+    ) -> list[list[Translation]]:
         """translate_nbest without options or splitting: over-long lines are truncated, with one warning."""
         cut = [len(line) > self.max_chars for line in lines]
         lines = [line[: self.max_chars].strip() for line in lines]
+        lines, terms = self.apply_glossary(lines, decode, glossary if glossary is not None else self.glossary)
         ids = self.source_ids(lines, decode)
         n_truncated = sum(len(x) > self.max_src_tokens or c for x, c in zip(ids, cut))
         if n_truncated:
@@ -164,7 +177,8 @@ class Translator:
         bar.update(len(lines) - len(todo))
         for batch in translation_batches(lengths, decode.batch_tokens, decode.batch_sentences):
             batch = todo[batch]
-            for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode)):
+            batch_terms = [terms[i] for i in batch] if terms else None
+            for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode, batch_terms)):
                 results[i] = hyps
             bar.update(len(batch))
         bar.close()
@@ -176,12 +190,66 @@ class Translator:
         prefix = (decode or self.config.decode).src_prefix
         return self.tokenizer.encode_src(lines, self.config.data.src_prefix if prefix is None else prefix)
 
-    def _search(self, src_ids: list[list[int]], decode: DecodeConfig) -> list[list[Translation]]:
+    def apply_glossary(self, lines: list[str], decode: DecodeConfig, glossary) -> tuple[list[str], list | None]:
+        """The glossary's work before the search, as decode.constraints says: for hard, the target terms of each
+        line's matches as target subword ids (else None). `glossary`: a Glossary, one per line, or None."""
+        if glossary is None or decode.constraints == "off":
+            return lines, None
+        if decode.sampling:
+            raise MtcliError("decode.constraints hard writes terms with beam search; it cannot be used with sampling")
+        per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
+        found = [g.matches(line) if g is not None else [] for g, line in zip(per_line, lines)]
+        return lines, [[self.term_ids(m.target) for m in matches] for matches in found]
+
+    def term_ids(self, term: str) -> list[int]:
+        """A target term as the target subwords the model writes for it inside a sentence: after a space (a word start)
+        where the target language writes spaces, after other text where it does not (Chinese, Japanese: no word-start
+        piece), found by encoding the term behind a context character and dropping that character's pieces."""
+        if term not in self._term_ids:
+            if word_separator(self.config.data.tgt_lang):
+                ids = self.tokenizer.encode_tgt([term])[0]
+            else:
+                ids = self.tokenizer.encode_tgt([TERM_CONTEXT + term])[0]
+                pieces, seen = self.tokenizer.tgt_pieces(ids), ""
+                for n, piece in enumerate(pieces):
+                    seen += piece.replace("▁", "")
+                    if seen == TERM_CONTEXT:
+                        ids = ids[n + 1 :]
+                        break
+                else:  # the context merged with the term's first piece: the term as it encodes alone
+                    ids = self.tokenizer.encode_tgt([term])[0]
+            if self.tokenizer.specials.unk in ids:
+                logger.warning(
+                    f"warning: the target term {term[:50]!r} holds characters the model's vocabulary lacks; it is "
+                    "written with unknown-piece markers where they are"
+                )
+            self._term_ids[term] = ids
+        return self._term_ids[term]
+
+    def check_terms(self, glossary: Glossary) -> None:
+        """Refuse a glossary whose target term is longer than any output can be (the model's positions). Only terms
+        with more characters than the positions are encoded: a term has at most one subword per character, plus one."""
+        limit = self.config.model.max_positions - 1
+        for key, target in glossary.terms.items():
+            if len(target) + 1 > limit and len(self.term_ids(target)) > limit:
+                raise MtcliError(
+                    f"{glossary.origins.get(key) or 'glossary'}: the target term is {len(self.term_ids(target))} "
+                    f"subwords; no translation of this model is longer than {limit}"
+                )
+
+    def _search(
+        self, src_ids: list[list[int]], decode: DecodeConfig, terms: list[list[list[int]]] | None = None
+    ) -> list[list[Translation]]:
         batch = collate(src_ids, specials=self.model.specials).to(self.device)
         lengths = torch.tensor([len(x) for x in src_ids])
         max_lens = max_output_lengths(lengths, decode.max_len_a, decode.max_len_b, self.config.model.max_positions)
         args = (self.model, batch.src, batch.src_pad_mask, max_lens.to(self.device))
-        if decode.sampling:
+        if terms is not None and any(terms):
+            d = decode
+            hyps = constrained_beam_search(
+                *args, terms, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram, d.length_norm, d.early_stopping
+            )
+        elif decode.sampling:
             if self.generator is None:  # one stream for the whole session: a line's sample must not depend on batching
                 self.generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
             d = decode
@@ -235,11 +303,14 @@ def combine_nbest(hyp_lists: list[list], join_texts: Callable[[list[str]], str])
     return combined
 
 
-def translate_long_lines(translator, lines: list[str], decode, progress=False) -> list:
+def translate_long_lines(translator, lines: list[str], decode, progress=False, glossary=None) -> list:
     """Translator.translate_nbest with split_long: lines over the positions are cut (split_long), all pieces
     translated as one list, and each line's translations joined with a space (nothing for Chinese or Japanese)."""
     cut = [split_long(translator.tokenizer, line, translator.max_src_tokens) for line in lines]
-    hyps = iter(translator.translate_lines([p for pieces in cut for p in pieces], decode, progress))
+    if isinstance(glossary, list):  # one per line: each piece takes its line's
+        glossary = [g for g, pieces in zip(glossary, cut) for _ in pieces]
+    pieces = [p for pieces in cut for p in pieces]
+    hyps = iter(translator.translate_lines(pieces, decode, progress, glossary))
     sep = word_separator(translator.config.data.tgt_lang)
     return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]
 
@@ -251,13 +322,19 @@ def load_translator(
     device: str = "auto",
     ensemble: Iterable[Path | str] = (),
     split_long: bool = False,
+    glossary: Path | None = None,
     **options,
 ) -> tuple[Translator, DecodeConfig]:
     """What `translate`, `eval` and `serve` do before translating: `config` (the checkpoint's own, or eval's with a
     run's data) with `--set decode.KEY=VALUE` overrides, the decode settings with the command line's options (None
-    = keep), and the Translator in the precision they name. Returns the translator and its decode settings."""
+    = keep), and the Translator in the precision they name, with `--glossary` (read before the model loads).
+    Returns the translator and its decode settings."""
     decode = decode_settings(with_overrides(config, overrides, ("decode",)).decode, **options)
+    terms = load_glossary(glossary) if glossary is not None else None
     translator = Translator.from_checkpoint(checkpoint, device, decode.precision, ensemble, split_long)
+    if terms is not None:
+        translator.check_terms(terms)
+    translator.glossary = terms
     return translator, translator.decode_config(decode)
 
 

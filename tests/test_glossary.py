@@ -1,5 +1,7 @@
 """Glossaries: the file format and its errors, the matching rules (whole words, case, longest first, scripts without
-spaces), marking, and term accuracy."""
+spaces), term accuracy, and a glossary through translate, eval, data synthesize and the server's request checks."""
+
+import json
 
 import pytest
 
@@ -36,7 +38,6 @@ def test_a_glossary_file_with_comments_blank_lines_and_a_conflict(tmp_path, log)
         (b"a\tb\tc\n", ":1: more than one tab"),
         (b"ok\tfine\napple\t\xe8\x8b\n", ":2: not valid UTF-8"),
         (b"...\t!\n" + b" ".join([b"w"] * 40) + b"\tx\n", ":2: a source term of 40 words"),
-        (b"apple __done__\tx\n", ":1: a term holds a marker word"),
     ],
 )
 def test_bad_glossary_lines_are_one_error_naming_the_file_and_line(tmp_path, content, message):
@@ -70,12 +71,6 @@ def test_scripts_without_spaces_match_at_any_character():
     assert [(m.start, m.end, m.target) for m in matches] == [(3, 5, "apple"), (7, 9, "Tokyo")]
 
 
-def test_marking_puts_the_target_term_after_the_source_term_between_marker_words():
-    g = glossary(("apples", "苹果"))
-    assert g.mark("I love apples") == "I love __source__ apples __target__ 苹果 __done__"
-    assert g.mark("nothing here") == "nothing here"
-
-
 def test_term_accuracy_against_a_hand_computed_value():
     g = glossary(("apple", "Apfel"), ("car", "Auto"))
     sources = ["an apple and a car", "apple, apple", "no terms"]
@@ -90,3 +85,80 @@ def test_term_accuracy_against_a_hand_computed_value():
     # case-sensitive: Auto, one of two Apfel in line 1 -> 2 of 4; ignoring case: also apfel in line 0 -> 3 of 4
     assert term_accuracy(checks, hypotheses) == {"terms": 4, "accuracy": 50.0, "accuracy_lc": 75.0}
     assert term_accuracy([], hypotheses)["accuracy"] is None
+
+
+def test_a_request_glossary_is_checked_with_its_limits_stated():
+    from mtcli.serve_requests import HTTPError, ServeLimits, read_glossary
+
+    limits = ServeLimits(max_glossary=3)
+    assert read_glossary(None, limits) is None
+    assert len(read_glossary([["tea", "咖啡"], [" apple ", "苹果"]], limits)) == 2
+    for value, status, words in [
+        ("tea", 400, "expected a list"),
+        ([["tea"]], 400, "glossary[0]"),
+        ([["tea", 5]], 400, "two strings"),
+        ([["a", "b"], ["", "x"]], 400, "glossary[1]: an empty source term"),
+        ([["a", "b"]] * 4, 413, "the limit is 3 per request (--max-glossary)"),
+    ]:
+        with pytest.raises(HTTPError) as error:
+            read_glossary(value, limits)
+        assert error.value.status == status and words in error.value.message, error.value.message
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Through the commands, on the toy model
+
+
+def contains_all(text: str, *terms: str) -> bool:
+    return all(term in text for term in terms)
+
+
+@pytest.mark.model
+def test_hard_constraints_write_every_term_through_translate(toy_run, tmp_path):
+    """Terms the toy model never writes for these sources (香蕉 is two subwords), one or two in a line, greedy and
+    beam; a line without terms is translated as without the glossary."""
+    from conftest import invoke
+
+    path = tmp_path / "terms.tsv"
+    path.write_text("apples\t香蕉\ntea\t咖啡\n", encoding="utf-8")
+    lines = ["I love apples", "she likes tea and apples", "the cat eats fish"]
+    plain = invoke("translate", "--run", toy_run, *lines).stdout.splitlines()
+    for beam in ("1", "4"):
+        out = invoke("translate", "--run", toy_run, "--glossary", path, "--beam", beam, *lines).stdout.splitlines()
+        assert contains_all(out[0], "香蕉") and contains_all(out[1], "香蕉", "咖啡"), out
+        if beam == "4":
+            assert out[2] == plain[2]
+    off = invoke("translate", "--run", toy_run, "--glossary", path, "--set", "decode.constraints=off", *lines)
+    assert off.stdout.splitlines() == plain
+
+
+@pytest.mark.model
+def test_eval_reports_term_accuracy_of_each_system(toy_run, tmp_path):
+    from conftest import invoke
+
+    src, ref, terms = tmp_path / "src.en", tmp_path / "ref.zh", tmp_path / "terms.tsv"
+    src.write_text("I love apples\nshe likes tea\nthe cat eats fish\n", encoding="utf-8")
+    ref.write_text("我喜欢香蕉\n她喜欢咖啡\n猫吃鱼\n", encoding="utf-8")
+    terms.write_text("1\tapples\t香蕉\n2\ttea\t咖啡\n3\tfish\t鱼\n", encoding="utf-8")
+    args = ["eval", "--run", toy_run, "--src", src, "--ref", ref, "--metrics", "bleu", "--json"]
+    hard = json.loads(invoke(*args, "--terms", terms).stdout)
+    # lines 1 and 2 are forced; line 3's term is the one the model writes anyway
+    assert hard["terms"] == {"terms": 3, "accuracy": 100.0, "accuracy_lc": 100.0}
+    off = json.loads(invoke(*args, "--terms", terms, "--set", "decode.constraints=off", "--compare", toy_run).stdout)
+    assert off["terms"]["accuracy"] == 33.33  # on its own the toy model writes only 鱼
+    assert [s["terms"]["accuracy"] for s in off["comparison"]["systems"]] == [33.33, 33.33]
+
+
+@pytest.mark.model
+def test_data_synthesize_translates_with_the_glossary_and_it_keys_the_output(toy_run, tmp_path):
+    from conftest import invoke
+
+    mono, glossary = tmp_path / "mono.en", tmp_path / "g.tsv"
+    mono.write_text("I love apples\nshe likes tea\n", encoding="utf-8")
+    glossary.write_text("apples\t香蕉\n", encoding="utf-8")
+    out = tmp_path / "synth"
+    invoke("data", "synthesize", "--teacher", toy_run, "--input", mono, "--out", out, "--glossary", glossary)
+    assert "香蕉" in (out / "train.zh").read_text(encoding="utf-8").splitlines()[0]
+    glossary.write_text("apples\t梨\n", encoding="utf-8")  # another glossary is another translation, not a reuse
+    invoke("data", "synthesize", "--teacher", toy_run, "--input", mono, "--out", out, "--glossary", glossary, "--force")
+    assert "梨" in (out / "train.zh").read_text(encoding="utf-8").splitlines()[0]

@@ -176,9 +176,11 @@ def assert_error(answer, status: int, *words: str):
 
 
 @pytest.fixture(scope="module")
-def server(toy_run):
+def server(toy_run, tmp_path_factory):
     limits = ["--max-body-bytes", "65536", "--max-sentences", "64", "--max-chars", "3000", "--max-beam", "8"]
-    srv = Server(toy_run, *limits)
+    glossary = tmp_path_factory.mktemp("glossary") / "server.tsv"  # a term no other test's sentences hold
+    glossary.write_text("xylophone\t香蕉\n", encoding="utf-8")
+    srv = Server(toy_run, *limits, "--glossary", str(glossary))
     yield srv
     assert srv.stop() == 0
 
@@ -301,6 +303,30 @@ def test_hostile_bodies_get_a_4xx_and_the_server_carries_on(server):
     disconnecting = http.client.HTTPConnection("127.0.0.1", server.port)  # a client that leaves mid-request
     disconnecting.request("POST", "/translate", json.dumps({"q": SENTENCES, **LIBRE}).encode())
     disconnecting.close()
+    assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
+
+
+@pytest.mark.system
+def test_glossaries_reach_the_translation_server_wide_and_per_request(server):
+    """The server's --glossary applies to every request; a request's own `glossary` replaces it; bad glossaries get a
+    one-line 400 or 413 and the server carries on."""
+    assert "香蕉" in server.post("/translate", {"q": "I love the xylophone", **LIBRE})[2]["translatedText"]
+    own = {"q": ["she likes tea", "I love the xylophone"], **LIBRE, "glossary": [["tea", "咖啡"]]}
+    tea, xylophone = server.post("/translate", own)[2]["translatedText"]
+    assert "咖啡" in tea and "香蕉" not in xylophone
+    native = server.post("/v1/translate", {"texts": ["she likes tea"], "glossary": [["tea", "咖啡"]], "beam": 1})
+    assert "咖啡" in native[2]["translations"][0]["text"] and native[2]["decode"]["constraints"] == "hard"
+    off = server.post(
+        "/v1/translate", {"texts": ["she likes tea"], "glossary": [["tea", "咖啡"]], "constraints": "off"}
+    )
+    assert "咖啡" not in off[2]["translations"][0]["text"]
+    assert_error(server.post("/translate", {"q": "tea", **LIBRE, "glossary": {"tea": "x"}}), 400, "glossary")
+    assert_error(server.post("/translate", {"q": "tea", **LIBRE, "glossary": [["tea", ""]]}), 400, "glossary[0]")
+    assert_error(
+        server.post("/v1/translate", {"texts": ["tea"], "glossary": [["a", "b"]] * 1001}), 413, "--max-glossary"
+    )
+    long_term = [["tea", "茶" * 200]]  # longer than any output of the toy model (128 positions)
+    assert_error(server.post("/v1/translate", {"texts": ["tea"], "glossary": long_term}), 400, "subwords")
     assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
 
 
