@@ -33,7 +33,7 @@ from mtcli.config_loader import config_from_dict
 from mtcli.errors import MtcliError, error_text
 from mtcli.log import logger
 from mtcli.model import Transformer
-from mtcli.outputs import publish_folder, write_file_atomic
+from mtcli.outputs import publish_folder, remove_stale, write_file_atomic
 from mtcli.tokenizer import Tokenizer
 
 CHECKPOINT_RE = re.compile(r"^update_(\d+)$")
@@ -150,6 +150,7 @@ def save_checkpoint(
     tmp = folder / f".{final.name}.tmp-{os.getpid()}"
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        remove_temporary(run_dir)  # what saves killed earlier left, whether or not the run was resumed
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         _write_checkpoint(tmp, final, update, model, config, tokenizer, state, metadata or {})
@@ -199,11 +200,11 @@ def _write_error(final: Path, error: OSError, model, with_state: bool) -> str:
 
 
 def remove_temporary(run_dir: Path) -> None:
-    """Remove what a killed save left behind (folders under a temporary name are never loaded)."""
+    """Remove what killed saves left in checkpoints/ (`.update_<N>.tmp-<pid>` folders, best.json's temporary file,
+    never loaded) once their process is gone, by outputs' rule: one still writing keeps its own."""
     folder = checkpoint_dir(run_dir)
     if folder.is_dir():
-        for path in folder.glob(".*"):
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        remove_stale(folder)
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> None:
@@ -505,15 +506,11 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
     for tree in (saved, current):
         tree["data"].pop("cache_dir", None)  # where the cache lives does not change what is in it
     for section in ("model", "data"):
-        was, now = _flat(saved[section], section), _flat(current[section], section)
-        diff = [
-            f"{k} (run: {was.get(k)}, now: {now.get(k)})"
-            for k in sorted(set(was) | set(now))
-            if was.get(k) != now.get(k)
-        ]
-        if diff:
+        changes = config_differences({section: saved[section]}, {section: current[section]})
+        if changes:
+            diff = "; ".join(f"{key} (run: {was}, now: {now})" for key, was, now in changes)
             raise MtcliError(
-                f"--resume: {run_dir} was trained with different {section} settings: {'; '.join(diff)}. Resume with "
+                f"--resume: {run_dir} was trained with different {section} settings: {diff}. Resume with "
                 f"the run's own config (--config {run_dir / 'config.yaml'}), with --set for any key it lacks"
             )
     load_weights(model, path)
@@ -548,11 +545,18 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
     )
 
 
-def _flat(tree: dict, prefix: str) -> dict:
+def config_differences(was: dict, now: dict) -> list[tuple[str, object, object]]:
+    """Every key (dotted: `data.clean.copies`) whose value differs between two config trees (Config.to_dict()), in
+    sorted order, as (key, was, now); a key one tree lacks is None there."""
+    was, now = _flat(was), _flat(now)
+    return [(key, was.get(key), now.get(key)) for key in sorted(set(was) | set(now)) if was.get(key) != now.get(key)]
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
     """{"data.clean.copies": False, ...}: nested config sections as dotted keys."""
     out = {}
     for key, value in tree.items():
-        out.update(_flat(value, f"{prefix}.{key}") if isinstance(value, dict) else {f"{prefix}.{key}": value})
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return out
 
 

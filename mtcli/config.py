@@ -417,6 +417,12 @@ class Config:
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
 
+    def source_prefix(self, decode: DecodeConfig | None = None) -> str:
+        """What goes before every source line: decode.src_prefix where set (another target language of a
+        multilingual model), else data.src_prefix (the one the model was trained with)."""
+        prefix = (decode or self.decode).src_prefix
+        return self.data.src_prefix if prefix is None else prefix
+
     def to_dict(self) -> dict[str, Any]:
         return _plain(dataclasses.asdict(self))
 

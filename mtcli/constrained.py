@@ -235,8 +235,13 @@ def _allocate(live, row_states, k: int, terms, wants_eos: bool) -> list[tuple[in
     if not terms:
         return live[:k]
     banked: dict[int, list[tuple[int, int, float]]] = {}
+    # a token in no term abandons the term in progress: its bank is what the row has written in full (the common case,
+    # worked out without stepping the state)
+    term_tokens = {token for term in terms for token in term}
+    in_full = [state.written(terms) - state.pos for state in row_states]
     for beam, token, score in live:
-        banked.setdefault(row_states[beam].advance(token, terms).written(terms), []).append((beam, token, score))
+        bank = row_states[beam].advance(token, terms).written(terms) if token in term_tokens else in_full[beam]
+        banked.setdefault(bank, []).append((beam, token, score))
     order = sorted(banked, reverse=True)
     if k == 1:
         return [banked[order[0]][0]] if row_states[0].term >= 0 or wants_eos else [live[0]]

@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import random
-import re
 import resource
 import shutil
 import time
@@ -32,7 +31,7 @@ from mtcli.encode import Job, available_cores, encoded_chunks, workers_for
 from mtcli.errors import MtcliError, error_text
 from mtcli.log import logger, progress_bar
 from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
-from mtcli.outputs import publish_folder
+from mtcli.outputs import publish_folder, remove_stale
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
@@ -395,8 +394,9 @@ def _phase(began: float, pairs: int | None = None) -> dict:
     return phase
 
 
-# A prepare's work folder, .<cache folder>.tmp-<pid>, or the old cache it was replacing (outputs.publish_folder)
-STALE_WORK = re.compile(r"\.(.+-[0-9a-f]{12})\.(?:tmp|old)-(\d+)")
+# A cache folder's name ends in its key's hash: a prepare's leftovers (its work folder .<name>.tmp-<pid>, or the old
+# cache it was replacing, .<name>.old-<pid>: outputs.publish_folder) are those of such names
+CACHE_NAME = r".+-[0-9a-f]{12}"
 
 
 def _work_folder(folder: Path) -> Path:
@@ -406,7 +406,7 @@ def _work_folder(folder: Path) -> Path:
     tmp = cache_dir / f".{folder.name}.tmp-{os.getpid()}"
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale_work(cache_dir)
+        remove_stale(cache_dir, CACHE_NAME)  # what prepares killed earlier left (their process is gone)
         shutil.rmtree(tmp, ignore_errors=True)  # this process's own leftover only (the pid is in the name)
         tmp.mkdir()
     except OSError as e:
@@ -415,26 +415,6 @@ def _work_folder(folder: Path) -> Path:
             "data.cache_dir to a folder you can write to"
         ) from None
     return tmp
-
-
-def remove_stale_work(cache_dir: Path) -> None:
-    """Remove the work folders of prepares that died without cleaning up (SIGKILL, a machine's crash): those whose
-    process is gone. A prepare still running (its pid alive) keeps its folder."""
-    for path in cache_dir.iterdir():
-        match = STALE_WORK.fullmatch(path.name)
-        if match and path.is_dir() and not _alive(int(match[2])):
-            logger.info(f"data: removing {path}, left by a prepare that was stopped (process {match[2]} is gone)")
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def eval_texts(cfg: Config, role: str) -> tuple[list[str], list[str]]:

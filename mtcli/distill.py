@@ -20,6 +20,7 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from mtcli.average import average_last
 from mtcli.checkpoint import (
     best_checkpoint,
     checkpoint_dir,
+    config_differences,
     last_checkpoint,
     list_checkpoints,
     read_config,
@@ -41,13 +43,12 @@ from mtcli.errors import MtcliError
 from mtcli.export import export_ctranslate2
 from mtcli.log import format_duration, logger
 from mtcli.model_card import CARD_JSON, write_card
-from mtcli.outputs import MANIFEST, read_manifest, write_file_atomic
-from mtcli.parity import ParityOptions
-from mtcli.rundir import RunLock
+from mtcli.outputs import write_file_atomic
+from mtcli.parity import CTranslate2Engine, EngineSettings, ParityOptions
+from mtcli.rundir import RunLock, check_run_dir, mark_run_dir
 from mtcli.scoring import ScoreOptions, score, score_files, write_lines
 from mtcli.synthetic import Filters, file_lines, split_lines, synthesize
 from mtcli.teachers import HTTP_TIMEOUT, is_url, open_teacher
-from mtcli.tokenizer import Tokenizer
 from mtcli.train import plain_run_name, train
 from mtcli.translate import Translator, load_translator
 
@@ -161,16 +162,9 @@ def check_inputs(plan: Plan) -> None:
 
 def read_state(plan: Plan) -> dict:
     """The record of finished steps of the run directory: new (missing or empty), or an earlier distill's (its
-    manifest says `distill`) with the same teachers and --mono; anything else is refused. Writes nothing."""
+    manifest says `distill`) with the same teachers, --mono and config; anything else is refused. Writes nothing."""
     run_dir = plan.run_dir
-    if run_dir.exists() and not run_dir.is_dir():
-        raise MtcliError(f"--run-dir {run_dir}: exists and is not a folder")
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    manifest = read_manifest(run_dir)
-    if entries and (manifest is None or manifest["command"] != "distill"):
-        raise MtcliError(
-            f"--run-dir {run_dir}: holds {entries[0]} and is not a distill run; give a new or empty folder"
-        )
+    check_run_dir(run_dir, "distill into", ("distill",))
     state_file = run_dir / STATE
     state = {"steps": {}}
     if state_file.is_file():
@@ -194,33 +188,22 @@ def read_state(plan: Plan) -> dict:
         # a run started when distill.max_ratio had a number of its own (3.0 by default) goes on with it
         plan.cfg = replaced(plan.cfg, **{"distill.max_ratio": started_ratio})
         given["config"] = plan.cfg.to_dict()
-    changed = first_difference(earlier.get("config"), given["config"])
+    changed = config_differences(earlier.get("config") or {}, given["config"])
     if changed:
+        key, was, now = changed[0]
         raise MtcliError(
-            f"--run-dir {run_dir}: was started with another config ({changed}); give the same config and --set "
-            "to continue it, or a new --run-dir"
+            f"--run-dir {run_dir}: was started with another config ({key}: {was} -> {now}); give the same config and "
+            "--set to continue it, or a new --run-dir"
         )
     state["inputs"] = given
     return state
-
-
-def first_difference(old, new, prefix: str = "") -> str | None:
-    """The first key (dotted) whose value differs between two config trees, shown as `key: old -> new`."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            found = first_difference(old.get(key), new.get(key), f"{prefix}{key}.")
-            if found:
-                return found
-        return None
-    return None if old == new else f"{prefix.rstrip('.')}: {old} -> {new}"
 
 
 def open_distill_dir(plan: Plan, state: dict) -> None:
     """Create the run directory (marked as distill's) and its record of steps, if they are not there yet."""
     try:
         plan.run_dir.mkdir(parents=True, exist_ok=True)
-        if read_manifest(plan.run_dir) is None:
-            (plan.run_dir / MANIFEST).write_text(json.dumps({"command": "distill"}), encoding="utf-8")
+        mark_run_dir(plan.run_dir, "distill")
         save_state(plan, state)
     except OSError as e:
         raise MtcliError(f"--run-dir {plan.run_dir}: cannot write there ({e.strerror})") from None
@@ -421,27 +404,20 @@ def export_student(plan: Plan, state: dict) -> dict:
     import ctranslate2  # an optional extra (check_inputs has made sure it is there)
 
     kind = plan.cfg.distill.quantization
+    student = student_checkpoint(state)
     # with its parity report (parity.json) beside it; the card's own figures say how good the export is
     parity = ParityOptions(check=False)
-    folder = export_ctranslate2(student_checkpoint(state), plan.run_dir / "export" / f"ct2-{kind}", kind, True, parity)
+    folder = export_ctranslate2(student, plan.run_dir / "export" / f"ct2-{kind}", kind, True, parity)
     cfg, role = plan.cfg, plan.cfg.distill.eval_split
     sources, refs = eval_texts(cfg, role)
-    tokenizer = Tokenizer.from_folder(folder)
-    threads = torch.get_num_threads()
-    engine = ctranslate2.Translator(str(folder), device="cpu", compute_type="auto", intra_threads=threads)
-
-    config = read_config(student_checkpoint(state))
+    config = read_config(student)
     limit = config.model.max_positions - 1  # one position for BOS / EOS
-    prefix = config.data.src_prefix if config.decode.src_prefix is None else config.decode.src_prefix
-
-    def translate(lines: list[str]) -> list[str]:
-        ids = tokenizer.encode_src(lines, prefix)
-        pieces = [tokenizer.src_pieces(x[:limit]) if s else [] for s, x in zip(lines, ids)]
-        options = dict(beam_size=1, max_batch_size=64, max_decoding_length=limit)
-        results = engine.translate_batch(pieces, **options)
-        return [tokenizer.tgt.decode(r.hypotheses[0]).strip() if s else "" for s, r in zip(lines, results)]
-
-    hyps, speed = timed(translate, sources)
+    prefix = config.source_prefix()
+    threads = torch.get_num_threads()  # as the PyTorch rows run
+    engine = CTranslate2Engine(folder, prefix, limit, threads)
+    # greedy at CTranslate2's defaults (no minimum length, no repeat blocking): the search the row names
+    greedy = EngineSettings(beam=1, lenpen=0.0, early_stopping=True, min_len=0, max_len=limit, no_repeat_ngram=0)
+    hyps, speed = timed(partial(engine.translate, s=greedy, beam=1), sources)
     tgt = cfg.data.tgt_lang
     score_dir = plan.run_dir / "distill" / "eval"
     path = score_dir / f"{role}.ct2-{kind}-greedy.hyp.{tgt}"

@@ -139,7 +139,7 @@ def export_hf(
         _save_hf_tokenizer(tokenizer, config, folder, transformers)
         if parity is not None:
             translator = parity_translator(checkpoint, config)
-            engine = TransformersEngine(folder, config.data.src_prefix)
+            engine = TransformersEngine(folder, config.source_prefix())
             run_parity(translator, engine, "hf", "float32", folder, f"--out {out}", parity)
     logger.info(f"exported {checkpoint} as {type(hf_model).__name__} ({c.norm}-norm) to {out}")
     return out
@@ -298,12 +298,12 @@ def write_ctranslate2(
         "max_decoding_length": search.max_len,
         "no_repeat_ngram_size": search.no_repeat_ngram,
     }
-    meta = {"checkpoint": str(checkpoint), **languages, "src_prefix": config.data.src_prefix}
+    meta = {"checkpoint": str(checkpoint), **languages, "src_prefix": config.source_prefix()}
     text = json.dumps(meta | {"translate_batch": translate_batch}, indent=1, ensure_ascii=False)
     (folder / "mtcli.json").write_text(text, encoding="utf-8")
     if parity is not None:
         translator = parity_translator(checkpoint, config)
-        engine = CTranslate2Engine(folder, config.data.src_prefix, translator.max_src_tokens)
+        engine = CTranslate2Engine(folder, config.source_prefix(), translator.max_src_tokens)
         precision = quantization if quantization not in (None, "none") else "float32"
         run_parity(translator, engine, "ctranslate2", precision, folder, name, parity)
 

@@ -11,10 +11,12 @@ before anything is opened.
 Files (`translate --output`, `eval --sentence-scores`, `attention --out`) carry no manifest: an existing non-empty
 file is replaced only with `--force`, through a temporary sibling renamed over it when the command has succeeded.
 
-A temporary sibling is named `.<target>.tmp-<pid>` (a work folder `.<target>.work-<pid>`): a command killed before
-it cleaned up (SIGKILL, a crash) leaves one, and the next command writing to that target removes it once its process
-is gone (the rule `data prepare` follows for its work folders). A full disk while writing is one line naming the
-target, which is left as it was.
+A temporary sibling is named `.<target>.tmp-<pid>` (a work folder `.<target>.work-<pid>`, an earlier output moved
+aside `.<target>.old-<pid>`): a command killed before it cleaned up (SIGKILL, a crash) leaves one, and the next command
+writing to that target removes it once its process is gone (`remove_stale`: `data prepare` and checkpoints follow the
+same rule). A full disk while writing is one line naming the target, which is left as it was.
+
+What a run directory is, and who may write one, is in rundir.py.
 """
 
 from __future__ import annotations
@@ -171,14 +173,21 @@ def pid_alive(pid: int) -> bool:
 
 
 def remove_stale_siblings(target: Path) -> None:
-    """Remove the temporary siblings of `target` (`.<name>.tmp-<pid>`, or a `.work-<pid>` folder; files or folders)
-    whose process is gone: what a command writing there left when it was killed. One still running keeps its own."""
-    stale = re.compile(rf"\.{re.escape(target.name)}\.(tmp|work)-(\d+)")
-    for path in target.parent.iterdir():
+    """Remove the temporary siblings of `target` whose process is gone (see remove_stale)."""
+    remove_stale(target.parent, re.escape(target.name))
+
+
+def remove_stale(folder: Path, names: str = ".+") -> None:
+    """Remove what killed mtcli commands left in `folder`: the temporary entries `.<name>.tmp-<pid>` (being written),
+    `.<name>.work-<pid>` (a work folder) and `.<name>.old-<pid>` (an earlier output moved aside while its replacement
+    moved in), files or folders, whose `name` matches the regular expression `names` and whose process is gone. One
+    whose process still runs (a command writing there now) is kept."""
+    stale = re.compile(rf"\.(?:{names})\.(?:tmp|work|old)-(?P<pid>\d+)")
+    for path in folder.iterdir():
         match = stale.fullmatch(path.name)
-        if match is None or pid_alive(int(match[2])) or path.is_symlink():
+        if match is None or pid_alive(int(match["pid"])) or path.is_symlink():
             continue
-        logger.info(f"removing {path}, left by an mtcli command that was stopped (process {match[2]} is gone)")
+        logger.info(f"removing {path}, left by an mtcli command that was stopped (process {match['pid']} is gone)")
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -204,6 +213,7 @@ def _replaced_when_done(path: Path, binary: bool = True) -> Iterator[TextIO]:
 
 def write_file_atomic(path: Path, data: str | bytes) -> None:
     """`data` written whole onto `path`, or not at all (see _replaced_when_done)."""
+    remove_stale_siblings(Path(path))  # what a write killed earlier left
     with _replaced_when_done(Path(path)) as f:
         f.write(data.encode("utf-8") if isinstance(data, str) else data)
 
@@ -280,33 +290,3 @@ def new_file(
         except OSError as e:
             raise MtcliError(f"{option} {target}: cannot write ({e.strerror})") from None
         yield handle
-
-
-def check_run_dir(run_dir: Path, resume: bool) -> None:
-    """`mtcli train --run-dir`: a new run goes into a missing or empty folder, or one a run left (its manifest, or
-    an older mtcli's checkpoints/ and config.yaml); a folder of the user's is refused before anything is written."""
-    run_dir = Path(run_dir)
-    if run_dir.exists() and not run_dir.is_dir():
-        raise MtcliError(f"--run-dir {run_dir}: exists and is not a folder")
-    entries = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
-    if entries in ([], [".lock"]) or is_run_dir(run_dir):  # .lock alone: a run killed as it started
-        return
-    first = entries[0]
-    what = "resume" if resume else "train into"
-    raise MtcliError(
-        f"--run-dir {run_dir}: not a run directory (it holds {first}); cannot {what} it: give a new or empty folder"
-    )
-
-
-def is_run_dir(folder: Path) -> bool:
-    manifest = read_manifest(folder)
-    if manifest is not None:
-        return manifest["command"] in ("train", "import", "distill")
-    return (Path(folder) / "checkpoints").is_dir() and (Path(folder) / "config.yaml").is_file()  # before manifests
-
-
-def mark_run_dir(run_dir: Path, command: str) -> None:
-    """A run's manifest names the command that made it; runs grow, so it lists no files."""
-    path = Path(run_dir) / MANIFEST
-    if read_manifest(run_dir) is None:
-        path.write_text(json.dumps({"command": command}, ensure_ascii=False), encoding="utf-8")

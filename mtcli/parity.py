@@ -109,7 +109,7 @@ def probe_set(config, tokenizer: Tokenizer, probe: Path | None, probe_ref: Path 
     keep = [i for i, s in enumerate(sources) if s.strip()]
     sources = [sources[i] for i in keep]
     references = [references[i] for i in keep] if references else []
-    stress = stress_lines(tokenizer, config.model.max_positions, config.data.src_prefix)
+    stress = stress_lines(tokenizer, config.model.max_positions, config.source_prefix())
     return Probe(sources + stress, references, f"{origin} + {len(stress)} stress lines")
 
 
@@ -195,19 +195,27 @@ def mtcli_decode(decode: DecodeConfig, settings: EngineSettings, beam: int) -> D
 
 
 class CTranslate2Engine:
-    """A CTranslate2 model folder with its SentencePiece model(s), as `mtcli export --format ctranslate2` writes."""
+    """A CTranslate2 model folder with its SentencePiece model(s), as `mtcli export --format ctranslate2` writes, on
+    the CPU: its own quantization, `threads` threads (default: every core)."""
 
-    def __init__(self, folder: Path, prefix: str = "", max_src_tokens: int = 1023):
+    def __init__(self, folder: Path, prefix: str = "", max_src_tokens: int = 1023, threads: int | None = None):
         import ctranslate2
 
         self.tokenizer = Tokenizer.from_folder(folder)
-        self.translator = ctranslate2.Translator(str(folder), device="cpu", intra_threads=os.cpu_count() or 1)
+        threads = threads or os.cpu_count() or 1
+        self.translator = ctranslate2.Translator(str(folder), device="cpu", intra_threads=threads)
         self.prefix, self.max_src_tokens = prefix, max_src_tokens
         pieces = self.tokenizer.tgt_pieces(range(self.tokenizer.tgt_vocab_size))
         self.id_of = {p: i for i, p in enumerate(pieces)}
 
     def translate(self, lines: list[str], s: EngineSettings, beam: int) -> list[str]:
-        ids = [x[: self.max_src_tokens] for x in self.tokenizer.encode_src(lines, self.prefix)]
+        """Each line after the source prefix, cut at max_src_tokens, translated; an empty line gives an empty
+        translation without being decoded, as mtcli gives it."""
+        out = [""] * len(lines)
+        todo = [i for i, line in enumerate(lines) if line.strip()]
+        if not todo:
+            return out
+        ids = [x[: self.max_src_tokens] for x in self.tokenizer.encode_src([lines[i] for i in todo], self.prefix)]
         found = self.translator.translate_batch(
             [self.tokenizer.src_pieces(x) for x in ids],
             max_batch_size=64,
@@ -217,7 +225,10 @@ class CTranslate2Engine:
             max_decoding_length=s.max_len,
             no_repeat_ngram_size=s.no_repeat_ngram,
         )
-        return self.tokenizer.decode_tgt([[self.id_of[p] for p in r.hypotheses[0]] for r in found])
+        texts = self.tokenizer.decode_tgt([[self.id_of[p] for p in r.hypotheses[0]] for r in found])
+        for i, text in zip(todo, texts):
+            out[i] = text
+        return out
 
 
 class TransformersEngine:

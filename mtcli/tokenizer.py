@@ -248,9 +248,11 @@ def _read_vocab(path: Path) -> dict[str, int]:
     """A MarianMT vocabulary file: {piece: id}, the ids 0..n-1 each once."""
     try:
         vocab = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
         raise MtcliError(f"{path}: not a readable vocabulary ({error_text(e)})") from None
-    if not isinstance(vocab, dict) or sorted(vocab.values()) != list(range(len(vocab))):
+    # every id an int (true and 1.0 are not ids; ids of mixed types cannot even be sorted), each of 0..n-1 once
+    ids = list(vocab.values()) if isinstance(vocab, dict) else None
+    if ids is None or any(type(i) is not int for i in ids) or sorted(ids) != list(range(len(ids))):
         raise MtcliError(f"{path}: expected a JSON object of pieces to the ids 0..n-1, each id once")
     for token in ("<unk>", "</s>"):
         if token not in vocab:

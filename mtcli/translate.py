@@ -187,8 +187,7 @@ class Translator:
     def source_ids(self, lines: list[str], decode: DecodeConfig | None = None) -> list[list[int]]:
         """Source subword ids of each line, after the source prefix (decode.src_prefix, else data.src_prefix: the
         target-language token of a multilingual model such as `>>deu<<`)."""
-        prefix = (decode or self.config.decode).src_prefix
-        return self.tokenizer.encode_src(lines, self.config.data.src_prefix if prefix is None else prefix)
+        return self.tokenizer.encode_src(lines, self.config.source_prefix(decode))
 
     def apply_glossary(self, lines: list[str], decode: DecodeConfig, glossary) -> tuple[list[str], list | None]:
         """The glossary's work before the search, as decode.constraints says: for hard, the target terms of each

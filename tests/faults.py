@@ -648,7 +648,7 @@ def files_are_safe(work: Path) -> int:
     writers = {
         "export --format hf": lambda t: ("export", "--run", run_dir, "--format", "hf", "--out", t),
         "export --format ctranslate2": lambda t: ("export", "--run", run_dir, "--format", "ctranslate2", "--out", t),
-        "average": lambda t: ("average", "--run", run_dir, "--last", "2", "--output", t),
+        "average": lambda t: ("average", "--run", run_dir, "--last", "2", "--out", t),
         "import": lambda t: ("import", "--hf", run_dir, "--out", t),
         "train --run-dir": lambda t: ("train", "--config", "toy.yaml", "--run-dir", t, "--set", "train.max_updates=1"),
         "translate --output": lambda t: ("translate", "--run", run_dir, "--input", source, "--output", t),

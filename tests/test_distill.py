@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sacrebleu
+import torch
 from conftest import invoke
 from faults_serve import Server
 from typer.testing import CliRunner
@@ -29,10 +30,11 @@ from typer.testing import CliRunner
 from mtcli import synthetic
 from mtcli.cli import app
 from mtcli.config_loader import load_config
-from mtcli.data import prepare
+from mtcli.data import eval_texts, prepare
 from mtcli.distill import synthesis_filters
 from mtcli.errors import MtcliError
 from mtcli.mixture import epoch_examples
+from mtcli.parity import CTranslate2Engine, EngineSettings
 from mtcli.synthetic import Filters, file_lines, synthesize
 from mtcli.teachers import ModelTeacher, open_teacher
 from mtcli.tokenizer import Tokenizer
@@ -116,6 +118,14 @@ def test_toy_teacher_distils_into_a_smaller_student(toy_run, toy_cache, tmp_path
     assert card["systems"][1]["paired"]["bleu"]["p_bs"] <= 1
     assert (run / card["student"]["export"]["folder"] / "model.bin").is_file()
     assert set(card["steps"]) == {"synthesize", "synthesize_mono", "train", "average", "score", "export"}
+    # The export's row is CTranslate2's greedy search through parity's engine, which leaves an empty line empty
+    student = load_config(run / "config.yaml")
+    sources = eval_texts(student, "test")[0][:20]
+    engine = CTranslate2Engine(run / card["student"]["export"]["folder"], threads=torch.get_num_threads())
+    limit = student.model.max_positions - 1
+    greedy = EngineSettings(beam=1, lenpen=0.0, early_stopping=True, min_len=0, max_len=limit, no_repeat_ngram=0)
+    hyps = (run / card["systems"][3]["hypotheses"]).read_text(encoding="utf-8").splitlines()
+    assert engine.translate(["", *sources, " "], greedy, 1) == ["", *hyps[:20], ""]
 
     # A second call finds every step done and changes nothing; another config is refused, naming the key
     before = (run / "model_card.json").read_bytes()
@@ -235,7 +245,7 @@ def test_bad_teachers_and_inputs_fail_in_one_line_and_write_nothing(toy_run, toy
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     mine = ["distill", "--teacher", toy_run, "--config", "toy.yaml", "--run-dir", tmp_path / "mine"]
-    assert "is not a distill run" in error_of(*mine, *sets({"data.cache_dir": toy_cache, **STUDENT}))
+    assert "not a distill run directory" in error_of(*mine, *sets({"data.cache_dir": toy_cache, **STUDENT}))
     # a foreign non-empty --out is refused before anything is translated
     assert "the folder is not empty" in error_of("data", "synthesize", "--teacher", toy_run, "--input", mono,
                                                  "--out", tmp_path / "mine")  # fmt: skip
@@ -456,7 +466,8 @@ def test_a_trickling_teacher_ends_at_the_deadline_in_one_line(route):
             open_teacher([teacher.url], ("en", "zh"), retries=0, timeout=0.3).translate(["I love apples"], 0)
         took = time.monotonic() - started
     message = str(info.value)
-    assert message.startswith(f"teacher {teacher.url}{route}: unreachable after 1 try (no complete answer within 0.3 s)")
+    expected = f"teacher {teacher.url}{route}: unreachable after 1 try (no complete answer within 0.3 s)"
+    assert message.startswith(expected)
     assert took < 2, f"a 0.3 s deadline took {took:.1f} s"
 
 

@@ -221,14 +221,15 @@ def _dead_pid() -> int:
 
 
 def test_a_killed_writers_temporary_sibling_is_removed_by_the_next_writer_there(tmp_path, log):
-    """A command killed mid-write leaves `.<target>.tmp-<pid>` (or argos' `.work-<pid>`): the next folder or file
-    writer to that target removes it when its process is gone, and keeps one whose process still runs (a command
-    writing there now) and siblings of other targets."""
-    from mtcli.outputs import new_file, new_folder
+    """A command killed mid-write leaves `.<target>.tmp-<pid>` (or argos' `.work-<pid>`, or an earlier output moved
+    aside, `.old-<pid>`): the next folder or file writer to that target removes it when its process is gone, and keeps
+    one whose process still runs (a command writing there now) and siblings of other targets."""
+    from mtcli.outputs import new_file, new_folder, write_file_atomic
 
     dead, alive = _dead_pid(), os.getppid()
     left = {
         "folder": tmp_path / f".export.tmp-{dead}",
+        "moved aside": tmp_path / f".export.old-{dead}",
         "work": tmp_path / f".toy.argosmodel.work-{dead}",
         "running": tmp_path / f".export.tmp-{alive}",
         "other": tmp_path / f".another.tmp-{dead}",
@@ -240,7 +241,8 @@ def test_a_killed_writers_temporary_sibling_is_removed_by_the_next_writer_there(
     stale_file.write_text("half the translations\n")
     with new_folder(tmp_path / "export", "export --format hf") as folder:
         (folder / "config.json").write_text("{}")
-    assert not left["folder"].exists() and left["running"].is_dir() and left["other"].is_dir()
+    assert not left["folder"].exists() and not left["moved aside"].exists()
+    assert left["running"].is_dir() and left["other"].is_dir()
     assert any(f"process {dead} is gone" in line for line in log)
     with new_file(tmp_path / "out.zh") as handle:
         handle.write("translations\n")
@@ -248,6 +250,45 @@ def test_a_killed_writers_temporary_sibling_is_removed_by_the_next_writer_there(
     with new_file(tmp_path / "toy.argosmodel", binary=True) as handle:
         handle.write(b"PK")
     assert not left["work"].exists() and left["running"].is_dir()
+    record = tmp_path / f".distill.json.tmp-{dead}"  # a run's record, rewritten whole at every step
+    record.write_text('{"steps": ')
+    write_file_atomic(tmp_path / "distill.json", '{"steps": {}}')
+    assert not record.exists() and (tmp_path / "distill.json").read_text() == '{"steps": {}}'
+
+
+def test_a_run_directory_is_one_a_run_made_and_a_folder_of_the_users_is_refused(tmp_path):
+    """train takes a new or empty folder, or a run that train, import or distill made (an older mtcli's: checkpoints/
+    and config.yaml); distill only its own. Refused in one line naming what is there, before anything is written."""
+    from mtcli.rundir import check_run_dir, mark_run_dir
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    with pytest.raises(MtcliError, match=rf"^--run-dir {mine}: not a run directory \(it holds notes.txt\); cannot t"):
+        check_run_dir(mine, "train into")
+    with pytest.raises(MtcliError, match=rf"^--run-dir {mine}: not a distill run directory \(it holds notes.txt\)"):
+        check_run_dir(mine, "distill into", ("distill",))
+    with pytest.raises(MtcliError, match="exists and is not a folder"):
+        check_run_dir(mine / "notes.txt", "train into")
+    runs = {command: tmp_path / command for command in ("train", "import", "distill", "export")}
+    for command, run in runs.items():
+        run.mkdir()
+        mark_run_dir(run, command)
+        (run / "config.yaml").write_text("name: x\n")
+    older = tmp_path / "older"
+    (older / "checkpoints").mkdir(parents=True)
+    (older / "config.yaml").write_text("name: x\n")
+    for run in (runs["train"], runs["import"], runs["distill"], older, tmp_path / "new", tmp_path / "new" / "er"):
+        check_run_dir(run, "train into")
+    check_run_dir(runs["distill"], "distill into", ("distill",))
+    for run in (runs["export"], runs["train"], older):
+        with pytest.raises(MtcliError):
+            check_run_dir(run, "distill into", ("distill",))
+    with pytest.raises(MtcliError, match="not a run directory"):
+        check_run_dir(runs["export"], "resume")
+    mark_run_dir(runs["distill"], "train")  # a distill run's student trains there: it stays distill's
+    check_run_dir(runs["distill"], "distill into", ("distill",))
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
 @pytest.mark.system

@@ -264,6 +264,32 @@ def test_micro_batches_of_one_update_give_the_gradient_of_their_concatenation():
         torch.testing.assert_close(split, joined, atol=1e-6, rtol=1e-4)
 
 
+def test_config_differences_name_every_changed_key_dotted():
+    """What a resume (restore_training) and a distill rerun refuse: each key whose value differs, however deep."""
+    was = {"model": {"d_ff": 64, "layers": 2}, "data": {"clean": {"copies": True}, "path": "a"}}
+    now = {"model": {"d_ff": 128, "layers": 2}, "data": {"clean": {"copies": False}}, "train": {"lr": 0.1}}
+    assert ckpt.config_differences(was, now) == [
+        ("data.clean.copies", True, False),
+        ("data.path", "a", None),
+        ("model.d_ff", 64, 128),
+        ("train.lr", None, 0.1),
+    ]
+    assert ckpt.config_differences(was, was) == []
+
+
+@pytest.mark.parametrize(
+    "vocab", [{"</s>": 0, "<unk>": "1"}, {"</s>": 0, "<unk>": 1.0}, {"</s>": 0, "<unk>": True}, {"</s>": [0]}]
+)
+def test_a_vocabulary_with_ids_that_are_not_whole_numbers_is_one_line_naming_it(tmp_path, vocab):
+    """An imported model's vocab.json beside a checkpoint: ids of mixed types raised a TypeError from sorting."""
+    from mtcli.tokenizer import _read_vocab
+
+    path = tmp_path / "vocab.json"
+    path.write_text(json.dumps(vocab))
+    with pytest.raises(MtcliError, match=rf"^{path}: expected a JSON object of pieces to the ids 0..n-1"):
+        _read_vocab(path)
+
+
 @pytest.mark.model
 def test_checkpoint_round_trip(cache_dir, tmp_path):
     cfg = tiny_config(cache_dir, **{"train.max_updates": 3, "train.valid_every": 3})
@@ -305,13 +331,24 @@ def test_interrupted_save_leaves_the_previous_checkpoint_loadable(cache_dir, tmp
     assert ckpt.last_checkpoint(run) == good
     assert not [p for p in ckpt.checkpoint_dir(run).iterdir() if p.name.startswith(".")]  # temp folder removed
     ckpt.load_model(good)
-    # A kill leaves no cleanup at all: the half-written folder has a temporary name and is never picked.
-    stale = ckpt.checkpoint_dir(run) / ".update_00000009.tmp-12345"
-    stale.mkdir()
-    (stale / "model.safetensors").write_bytes(b"garbage")
+    # A kill leaves no cleanup at all: the half-written folder has a temporary name and is never picked. The next
+    # save (or a resume) removes it, and best.json's half-written file, once their process is gone; a process still
+    # saving keeps its own.
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    folder = ckpt.checkpoint_dir(run)
+    stale, running = folder / f".update_00000009.tmp-{dead.pid}", folder / f".update_00000009.tmp-{os.getppid()}"
+    for left in (stale, running):
+        left.mkdir()
+        (left / "model.safetensors").write_bytes(b"garbage")
+    (folder / f".best.json.tmp-{dead.pid}").write_text('{"checkpoint": ')
     assert ckpt.last_checkpoint(run) == good
+    saved = ckpt.save_checkpoint(run, 3, result.model, cfg, prepare(cfg).tokenizer, {"update": 3})
+    assert ckpt.last_checkpoint(run) == saved
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith(".")) == [running.name]
+    stale.mkdir()
     ckpt.remove_temporary(run)
-    assert not stale.exists()
+    assert not stale.exists() and running.is_dir()
 
 
 @pytest.mark.model
