@@ -175,6 +175,9 @@ class Server:
             raise HTTPError(422, "split_sentences: false applies to format text only")
         decode = decode_options(fields, self.decode, self.limits, self.translator.config.model.max_positions)
         glossary = self.read_glossary(fields)
+        in_effect = glossary or self.translator.glossary
+        if decode.sampling and decode.constraints == "hard" and in_effect and any(map(in_effect.matches, texts)):
+            raise HTTPError(422, "sampling cannot write a glossary's terms (beam search does): set constraints off")
         results = await self.translate_texts(request, texts, decode, fmt, split, glossary)
         translations = []
         for hyps in results:

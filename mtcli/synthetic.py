@@ -123,7 +123,13 @@ def split_lines(cfg: Config, role: str, lang: str) -> Lines:
             f"translates from {data.src_lang} (or from {data.tgt_lang}, for back-translation)"
         )
     cache_dir = Path(data.cache_dir)
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MtcliError(
+            f"data.cache_dir {cache_dir}: cannot hold the data cache ({e.strerror or error_text(e)}); set "
+            "data.cache_dir to a folder you can write to"
+        ) from None
     sources = open_sources(data, cache_dir)
     if role not in sources:
         raise MtcliError(f"--split {role}: the config's data has no {role} split (data.splits.{role})")
@@ -132,8 +138,7 @@ def split_lines(cfg: Config, role: str, lang: str) -> Lines:
 
     def chunks(size: int, first: int) -> Iterator[list[str]]:
         for start in range(first * size, split.num_rows, size):
-            pair = split._read(split._dataset, range(start, min(start + size, split.num_rows)))
-            yield [clean_line(x) for x in pair[side]]
+            yield [clean_line(x) for x in split.rows(start, start + size)[side]]
 
     corpora = role == "train" and data.train_corpora
     identity = {

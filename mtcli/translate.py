@@ -194,10 +194,13 @@ class Translator:
         line's matches as target subword ids (else None). `glossary`: a Glossary, one per line, or None."""
         if glossary is None or decode.constraints == "off":
             return lines, None
-        if decode.sampling:
-            raise MtcliError("decode.constraints hard writes terms with beam search; it cannot be used with sampling")
         per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
         found = [g.matches(line) if g is not None else [] for g, line in zip(per_line, lines)]
+        if decode.sampling and any(found):
+            raise MtcliError(
+                "a glossary's terms are written by beam search (decode.constraints hard), not by sampling: drop "
+                "--sampling, or set decode.constraints=off"
+            )
         return lines, [[self.term_ids(m.target) for m in matches] for matches in found]
 
     def term_ids(self, term: str) -> list[int]:

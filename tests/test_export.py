@@ -228,7 +228,7 @@ def test_hugging_face_greedy_equals_mtcli_on_random_toy_sentences(toy_run, tmp_p
     transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     ckpt = best_checkpoint(toy_run)
-    invoke("export", "--checkpoint", ckpt, "--format", "hf", "--out", tmp_path / "hf")
+    invoke("export", "--checkpoint", ckpt, "--format", "hf", "--out", tmp_path / "hf", "--probe-lines", "0")
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf").eval()
     words = {w for s, _, _ in SUBJECTS for w in s.split()} | {
@@ -261,12 +261,12 @@ def test_exported_model_imports_back_with_the_same_translations(fixture, request
     pytest.importorskip("transformers", reason="the export extra is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run = request.getfixturevalue(fixture)
-    invoke("export", "--run", run, "--format", "hf", "--out", tmp_path / "hf")
+    invoke("export", "--run", run, "--format", "hf", "--out", tmp_path / "hf", "--probe-lines", "0")
     mode = (tmp_path / "hf" / "config.json").stat().st_mode
     assert (tmp_path / "hf" / "model.safetensors").stat().st_mode == mode
     printed = "".join(capfd.readouterr())
     assert "Writing model shards" not in printed and "sacremoses" not in printed, printed
-    invoke("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back")
+    invoke("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back", "--probe-lines", "0")
     original = Translator.from_run(run, device="cpu", precision="fp32")
     back = Translator.from_run(tmp_path / "back", device="cpu", precision="fp32")
     assert "(the imported model)" in capfd.readouterr().err  # never "best by validation": it was not validated
@@ -284,14 +284,14 @@ def test_a_blenderbot_with_a_learned_position_table_imports_with_the_same_logits
     encoder and decoder are refused in one line."""
     transformers = pytest.importorskip("transformers", reason="the export extra is not installed")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    invoke("export", "--run", toy_run, "--format", "hf", "--out", tmp_path / "hf")
+    invoke("export", "--run", toy_run, "--format", "hf", "--out", tmp_path / "hf", "--probe-lines", "0")
     hf_model = transformers.BlenderbotForConditionalGeneration.from_pretrained(tmp_path / "hf").eval()
     table = hf_model.model.encoder.embed_positions.weight
     with torch.no_grad():
         table.add_(0.05 * torch.randn(table.shape, generator=torch.Generator().manual_seed(0)))
         hf_model.model.decoder.embed_positions.weight.copy_(table)
     hf_model.save_pretrained(tmp_path / "hf")
-    invoke("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back")
+    invoke("import", "--hf", tmp_path / "hf", "--out", tmp_path / "back", "--probe-lines", "0")
     model = Translator.from_run(tmp_path / "back", device="cpu", precision="fp32").model
     assert model.cfg.positions == "learned" and model.cfg.norm == "pre"
     src = torch.tensor([[5, 9, 12, 7, model.specials.eos], [8, 6, model.specials.eos, 0, 0]])

@@ -52,9 +52,13 @@ def places(tmp_path, toy_run, monkeypatch):
     return {"foreign": foreign, "run": toy_run, "dot": Path("."), "file": afile}
 
 
+PROBE = ("--probe-lines", "0")
+
+
 def folder_commands(toy_run, hf_source):
     commands = {
-        "export hf": lambda out, *extra: ("export", "--run", toy_run, "--format", "hf", "--out", out, *extra),
+        # --probe-lines 0: the parity report (test_parity's subject) on its stress lines alone
+        "export hf": lambda out, *extra: ("export", "--run", toy_run, "--format", "hf", "--out", out, *PROBE, *extra),
         "export ctranslate2": lambda out, *extra: (
             "export",
             "--run",
@@ -63,12 +67,13 @@ def folder_commands(toy_run, hf_source):
             "ctranslate2",
             "--out",
             out,
+            *PROBE,
             *extra,
         ),
         "average": lambda out, *extra: ("average", "--run", toy_run, "--last", "2", "--out", out, *extra),
     }
     if hf_source is not None:
-        commands["import"] = lambda out, *extra: ("import", "--hf", hf_source, "--out", out, *extra)
+        commands["import"] = lambda out, *extra: ("import", "--hf", hf_source, "--out", out, *PROBE, *extra)
     return commands
 
 

@@ -327,6 +327,8 @@ def test_glossaries_reach_the_translation_server_wide_and_per_request(server):
     )
     long_term = [["tea", "茶" * 200]]  # longer than any output of the toy model (128 positions)
     assert_error(server.post("/v1/translate", {"texts": ["tea"], "glossary": long_term}), 400, "subwords")
+    sampled = server.post("/v1/translate", {"texts": ["I love the xylophone"], "sampling": True})
+    assert_error(sampled, 422, "constraints off")
     assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
 
 
