@@ -19,6 +19,7 @@ dict).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,9 +88,10 @@ class Glossary:
         while i < len(found):
             for n in self.lengths.get(found[i][2], ()):
                 span = found[i : i + n]
-                if len(span) == n and tuple(w for _, _, w in span) in self.terms:
+                target = self.terms.get(tuple(w for _, _, w in span)) if len(span) == n else None
+                if target is not None:
                     start, end = span[0][0], span[-1][1]
-                    out.append(Match(start, end, text[start:end], self.terms[tuple(w for _, _, w in span)]))
+                    out.append(Match(start, end, text[start:end], target))
                     i += n
                     break
             else:
@@ -97,27 +99,31 @@ class Glossary:
         return out
 
 
-def load_glossary(path: Path | str, max_entries: int = 10_000_000) -> Glossary:
-    """Read a glossary file; bad lines are one error naming the file and line."""
+def _tsv_rows(path: Path | str, option: str) -> Iterator[tuple[str, list[str]]]:
+    """(`file:line`, the line's tab-separated fields) of each line of a UTF-8 file that is neither blank nor a `#`
+    comment; a missing file or bytes that are not UTF-8 are one error naming it."""
     path = Path(path)
     if not path.is_file():
-        raise MtcliError(f"--glossary {path}: no such file")
+        raise MtcliError(f"{option} {path}: no such file")
     check_utf8(path)
-    glossary = Glossary()
     with open(path, encoding="utf-8", newline="") as f:
         for number, line in enumerate(f, 1):
             line = line.rstrip("\r\n")
-            if not line.strip() or line.lstrip().startswith("#"):
-                continue
-            where = f"{path}:{number}"
-            if "\t" not in line:
-                raise MtcliError(f"{where}: no tab; a glossary line is `source term<TAB>target term`")
-            source, target, *rest = line.split("\t")
-            if rest:
-                raise MtcliError(f"{where}: more than one tab; a glossary line is `source term<TAB>target term`")
-            add_pair(glossary, source.strip(), target.strip(), where)
-            if len(glossary) > max_entries:
-                raise MtcliError(f"{path}: over {max_entries:,} entries")
+            if line.strip() and not line.lstrip().startswith("#"):
+                yield f"{path}:{number}", line.split("\t")
+
+
+def load_glossary(path: Path | str, max_entries: int = 10_000_000) -> Glossary:
+    """Read a glossary file; bad lines are one error naming the file and line."""
+    glossary = Glossary()
+    for where, fields in _tsv_rows(path, "--glossary"):
+        if len(fields) < 2:
+            raise MtcliError(f"{where}: no tab; a glossary line is `source term<TAB>target term`")
+        if len(fields) > 2:
+            raise MtcliError(f"{where}: more than one tab; a glossary line is `source term<TAB>target term`")
+        add_pair(glossary, fields[0].strip(), fields[1].strip(), where)
+        if len(glossary) > max_entries:
+            raise MtcliError(f"{path}: over {max_entries:,} entries")
     warn_conflicts(glossary, str(path))
     return glossary
 
@@ -146,26 +152,16 @@ def load_line_terms(path: Path | str, lines: int) -> tuple[list[Glossary], list[
     """A terms file for a test set, as the WMT 2021 terminology task gives them: `line<TAB>source term<TAB>target
     term` (line numbers from 1; # comments). Returns one glossary per line (what its translation is asked to hold)
     and the expected target terms (term accuracy counts each, whether or not its source term matches the line)."""
-    path = Path(path)
-    if not path.is_file():
-        raise MtcliError(f"--terms {path}: no such file")
-    check_utf8(path)
     glossaries = [Glossary() for _ in range(lines)]
     checks = []
-    with open(path, encoding="utf-8", newline="") as f:
-        for number, text in enumerate(f, 1):
-            text = text.rstrip("\r\n")
-            if not text.strip() or text.lstrip().startswith("#"):
-                continue
-            where = f"{path}:{number}"
-            fields = text.split("\t")
-            if len(fields) != 3 or not fields[0].strip().isdigit():
-                raise MtcliError(f"{where}: a terms line is `line number<TAB>source term<TAB>target term`")
-            line, source, target = int(fields[0]), fields[1].strip(), fields[2].strip()
-            if not 1 <= line <= lines:
-                raise MtcliError(f"{where}: line {line} is not a line of the {lines:,} sources")
-            add_pair(glossaries[line - 1], source, target, where)
-            checks.append(TermCheck(line - 1, source, target))
+    for where, fields in _tsv_rows(path, "--terms"):
+        if len(fields) != 3 or not fields[0].strip().isdigit():
+            raise MtcliError(f"{where}: a terms line is `line number<TAB>source term<TAB>target term`")
+        line, source, target = int(fields[0]), fields[1].strip(), fields[2].strip()
+        if not 1 <= line <= lines:
+            raise MtcliError(f"{where}: line {line} is not a line of the {lines:,} sources")
+        add_pair(glossaries[line - 1], source, target, where)
+        checks.append(TermCheck(line - 1, source, target))
     return glossaries, checks
 
 

@@ -161,7 +161,7 @@ class Translator:
         """translate_nbest without options or splitting: over-long lines are truncated, with one warning."""
         cut = [len(line) > self.max_chars for line in lines]
         lines = [line[: self.max_chars].strip() for line in lines]
-        lines, terms = self.apply_glossary(lines, decode, glossary if glossary is not None else self.glossary)
+        terms = self.glossary_terms(lines, decode, glossary if glossary is not None else self.glossary)
         ids = self.source_ids(lines, decode)
         n_truncated = sum(len(x) > self.max_src_tokens or c for x, c in zip(ids, cut))
         if n_truncated:
@@ -189,11 +189,12 @@ class Translator:
         target-language token of a multilingual model such as `>>deu<<`)."""
         return self.tokenizer.encode_src(lines, self.config.source_prefix(decode))
 
-    def apply_glossary(self, lines: list[str], decode: DecodeConfig, glossary) -> tuple[list[str], list | None]:
-        """The glossary's work before the search, as decode.constraints says: for hard, the target terms of each
-        line's matches as target subword ids (else None). `glossary`: a Glossary, one per line, or None."""
+    def glossary_terms(self, lines: list[str], decode: DecodeConfig, glossary) -> list[list[list[int]]] | None:
+        """The target terms each line's translation must hold (decode.constraints hard), as target subword ids: those
+        of the glossary's matches in the line; None without a glossary or with constraints off. `glossary`: a
+        Glossary, one per line, or None."""
         if glossary is None or decode.constraints == "off":
-            return lines, None
+            return None
         per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
         found = [g.matches(line) if g is not None else [] for g, line in zip(per_line, lines)]
         if decode.sampling and any(found):
@@ -201,7 +202,7 @@ class Translator:
                 "a glossary's terms are written by beam search (decode.constraints hard), not by sampling: drop "
                 "--sampling, or set decode.constraints=off"
             )
-        return lines, [[self.term_ids(m.target) for m in matches] for matches in found]
+        return [[self.term_ids(m.target) for m in matches] for matches in found]
 
     def term_ids(self, term: str) -> list[int]:
         """A target term as the target subwords the model writes for it inside a sentence: after a space (a word start)
@@ -233,10 +234,10 @@ class Translator:
         with more characters than the positions are encoded: a term has at most one subword per character, plus one."""
         limit = self.config.model.max_positions - 1
         for key, target in glossary.terms.items():
-            if len(target) + 1 > limit and len(self.term_ids(target)) > limit:
+            if len(target) + 1 > limit and (pieces := len(self.term_ids(target))) > limit:
                 raise MtcliError(
-                    f"{glossary.origins.get(key) or 'glossary'}: the target term is {len(self.term_ids(target))} "
-                    f"subwords; no translation of this model is longer than {limit}"
+                    f"{glossary.origins.get(key) or 'glossary'}: the target term is {pieces} subwords; no "
+                    f"translation of this model is longer than {limit}"
                 )
 
     def _search(
