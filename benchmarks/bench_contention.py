@@ -28,6 +28,9 @@ MTCLI = [sys.executable, "-m", "mtcli"]
 SKIP = 20  # updates left out at the start of each run
 
 
+OWN_JSON = ROOT / "benchmarks" / "contention.json"  # replaced by each run; another existing file is refused
+
+
 def train_command(run: Path, cache: Path, updates: int) -> list[str]:
     sets = {
         "data.cache_dir": cache,
@@ -77,8 +80,11 @@ def main() -> None:
     parser.add_argument("--copies", default="1,2,4", help="comma-separated numbers of concurrent trainings")
     parser.add_argument("--updates", type=int, default=150, help="updates per training (the first 20 untimed)")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE added to each copy's environment")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "contention.json")
+    parser.add_argument("--json", type=Path, default=OWN_JSON)
     args = parser.parse_args()
+    own_json = args.json.resolve() == OWN_JSON
+    if args.json.exists() and not own_json:  # before the measuring, not after
+        sys.exit(f"contention: --json {args.json}: exists; give a new name (only {OWN_JSON} is replaced)")
     env = dict(os.environ)
     for item in args.env:
         key, _, value = item.partition("=")
@@ -103,10 +109,12 @@ def main() -> None:
             print(
                 f"{copies} copies: target tok/s {speeds}{share} (windows overlap {overlap:.0%}; {took} s)", flush=True
             )
-    from mtcli.device import cpu_name
+    from mtcli.device import cpu_name  # imported late: importing mtcli sets the OpenMP wait the copies inherit
+    from mtcli.outputs import new_file
 
     report = {"cpu": cpu_name(), "cores": os.cpu_count(), "env": args.env, "updates": args.updates, "results": results}
-    args.json.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    with new_file(args.json, force=own_json, option="--json") as out:
+        out.write(json.dumps(report, indent=1) + "\n")
     print(f"wrote {args.json}")
 
 

@@ -30,8 +30,11 @@ from mtcli.data import eval_texts  # noqa: E402
 from mtcli.device import cpu_name  # noqa: E402
 from mtcli.glossary import Glossary, TermCheck, expected_terms, term_accuracy, words  # noqa: E402
 from mtcli.line_io import read_lines  # noqa: E402
+from mtcli.outputs import new_file  # noqa: E402
 from mtcli.tokenizer import word_separator  # noqa: E402
 from mtcli.translate import Translator  # noqa: E402
+
+OWN_JSON = ROOT / "benchmarks" / "terms_results.json"  # replaced by each run; another existing file is refused
 
 
 def matching_nothing(size: int, seed: int = 0) -> Glossary:
@@ -73,8 +76,11 @@ def main() -> None:
     parser.add_argument("--source", type=Path, help="lines to translate (default: the run's test split)")
     parser.add_argument("--lines", type=int, default=1000, help="lines translated (a shorter split is repeated)")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "terms_results.json")
+    parser.add_argument("--json", type=Path, default=OWN_JSON)
     args = parser.parse_args()
+    own_json = args.json.resolve() == OWN_JSON
+    if args.json.exists() and not own_json:  # before the measuring, not after
+        sys.exit(f"terms: --json {args.json}: exists; give a new name (only {OWN_JSON} is replaced)")
     translator = Translator.from_checkpoint(resolve_checkpoint(args.run, None), "cpu")
     sources = read_lines(args.source) if args.source else eval_texts(translator.config, "test")[0]
     sources = (sources * -(-args.lines // len(sources)))[: args.lines]  # a short split is repeated up to --lines
@@ -126,7 +132,8 @@ def main() -> None:
         "rounds": args.rounds,
         "rows": rows,
     }
-    args.json.write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    with new_file(args.json, force=own_json, option="--json") as out:
+        out.write(json.dumps(report, indent=1, ensure_ascii=False) + "\n")
     print(f"{len(sources)} lines, {len(checks)} terms; {cpu_name()}; wrote {args.json}")
 
 
