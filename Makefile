@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 test: install
 	$(BIN)/pytest -q --durations=10 $(PYTEST_ARGS)
 
-# The unit tier, under ~30 s: no model training, no shared corpora, no subprocesses (tests marked model or system;
+# The unit tier, under a minute: no model training, no shared corpora, no subprocesses (tests marked model or system;
 # tests/conftest.py refuses a unit test that trains).
 test-fast: install
 	$(BIN)/pytest -q -m "not model and not system" --durations=5 $(PYTEST_ARGS)
