@@ -424,8 +424,11 @@ def test_requests_that_time_out_are_not_translated_and_the_next_is_answered(serv
         for _ in range(5):  # the first translations warm the model up, which may take more than --timeout
             if srv.post("/translate", {"q": "I love apples", **LIBRE})[0] == 200:
                 break
-        answers: list = []
         texts = (SENTENCES * 2)[:64]
+        start = time.monotonic()  # one sentence's model time, one a batch as in the burst
+        assert srv.post("/translate", {"q": texts[:16], **LIBRE})[0] == 200
+        sentence = (time.monotonic() - start) / 16
+        answers: list = []
         thread = threading.Thread(target=lambda: answers.extend(burst(srv, 16, lambda i: {"q": texts, **LIBRE})))
         thread.start()
         deadline, batch = time.monotonic() + timeout, None
@@ -434,8 +437,13 @@ def test_requests_that_time_out_are_not_translated_and_the_next_is_answered(serv
             batch = srv.request("GET", "/health")[2]["batch"]
         assert batch is not None and batch["sentences"] >= 64 and batch["requests"] >= 1 and batch["seconds"] >= 0
         thread.join(timeout=3 * timeout + 30)
-        assert [a[0] if isinstance(a, tuple) else a for a in answers] == [503] * 16, answers[:1]
-        assert all("--timeout" in body["error"] for _, _, body in answers)
+        # the requests served first may finish within --timeout (on a fast machine one took 1.3 s of the 3): at most
+        # twice as many as the measured speed allows; the rest are 503 and their sentences skipped
+        statuses = [a[0] if isinstance(a, tuple) else a for a in answers]
+        assert set(statuses) <= {200, 503} and statuses.count(503) >= 1, answers[:1]
+        assert statuses.count(200) <= 2 * timeout / (64 * sentence) + 1, (statuses, sentence, timeout)
+        assert all(len(body["translatedText"]) == 64 for status, _, body in answers if status == 200)
+        assert all("--timeout" in body["error"] for status, _, body in answers if status == 503)
         translated = metric(srv, "mtcli_sentences_total")
 
         assert srv.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
