@@ -6,8 +6,8 @@ BIN := $(VENV)/bin
 # an NVIDIA GPU, its default (CUDA) build with one; scripts/pick_torch.py says which it chose and why.
 TORCH ?= auto
 # Optional extras installed with the project: dev tools, TensorBoard, the export targets, matplotlib, the server,
-# py3langid (data.clean.langid).
-EXTRAS ?= dev,tensorboard,export,plot,serve,langid
+# py3langid (data.clean.langid), eflomal (data.terminology).
+EXTRAS ?= dev,tensorboard,export,plot,serve,langid,align
 PYTEST_ARGS ?=
 
 .PHONY: install test test-fast smoke lint bench bench-serve bench-data quality faults clean

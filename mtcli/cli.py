@@ -89,7 +89,8 @@ GlossaryOpt = typer.Option(
     None,
     "--glossary",
     help="A glossary: `source term<TAB>target term` lines (UTF-8, # comments). The target term of every source term "
-    "found in a line is written in its translation (decode.constraints: hard, the default; off: not applied).",
+    "found in a line is written in its translation (decode.constraints: hard, the default; soft: the term is marked "
+    "in the source for a model trained with data.terminology; off: not applied).",
 )
 ImportNoCheckOpt = typer.Option(False, "--no-check", help="Write the run even where the parity report diverges.")
 FORMATS = {"hf": "hf", "transformers": "hf", "huggingface": "hf", "ctranslate2": "ctranslate2", "ct2": "ctranslate2"}

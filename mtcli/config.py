@@ -152,9 +152,15 @@ class DataConfig:
     # Text put before every source sentence, e.g. `>>deu<<`: the target-language token of a multilingual opus-mt
     # model (see its README for the codes). Translation uses decode.src_prefix when that is set.
     src_prefix: str = ""
+    # Terminology training (Dinu et al. 2019, as OpusTrainer's terminology modifier): this share of the training
+    # pairs gets 1-2 of its words followed by the target words eflomal aligns them to, `__source__ apples __target__
+    # Äpfel __done__`, so that the model learns to copy a marked target term (decode.constraints soft). Needs eflomal
+    # (pip install 'mtcli[align]'); the train split's word alignments are kept in the cache (train.align). 0: off.
+    terminology: float = 0.0
 
     def __post_init__(self):
         _check_numbers(self, "data")
+        _check(0 <= self.terminology <= 1, "data.terminology", "must be a share between 0 (off) and 1")
         _check(self.max_len > 0, "data.max_len", "must be positive")
         # A ratio is longer side / shorter side, so it is at least 1: a limit under 1 would drop every pair.
         _check(
@@ -338,9 +344,11 @@ class DecodeConfig:
     precision: Literal["auto", "fp32", "bf16", "int8"] = "auto"
     src_prefix: str | None = None  # null: data.src_prefix; e.g. `>>fra<<` to pick another target language
     # What a glossary (translate/eval/serve/data synthesize --glossary) does: hard, the target term of every source
-    # term found in a line is written in its translation (constrained beam search, mtcli/constrained.py); off: the
-    # glossary is not applied (eval still reports term accuracy)
-    constraints: Literal["hard", "off"] = "hard"
+    # term found in a line is written in its translation (constrained beam search, mtcli/constrained.py); soft, each
+    # source term is followed by its target term in the marked syntax a model trained with data.terminology learnt
+    # to copy (plain search, no guarantee; exports read the same marked text); off: the glossary is not applied
+    # (eval still reports term accuracy)
+    constraints: Literal["hard", "soft", "off"] = "hard"
 
     def __post_init__(self):
         _check_numbers(self, "decode")
@@ -351,7 +359,7 @@ class DecodeConfig:
         # ((5 + length) / 6) ** lenpen overflows a float past ~70 at the longest outputs; tuned values are 0-2.
         _check(0 <= self.lenpen <= 10, "decode.lenpen", "must be between 0 and 10")
         _check(self.length_norm in ("gnmt", "power"), "decode.length_norm", "must be gnmt or power")
-        _check(self.constraints in ("hard", "off"), "decode.constraints", "must be hard or off")
+        _check(self.constraints in ("hard", "soft", "off"), "decode.constraints", "must be hard, soft or off")
         _check(self.max_len_a >= 0 and self.max_len_b >= 0, "decode.max_len_a", "max_len_a and max_len_b must be >= 0")
         _check(self.max_len_a > 0 or self.max_len_b > 0, "decode.max_len_b", "max_len_a and max_len_b cannot both be 0")
         _check(self.min_len >= 0, "decode.min_len", "must be >= 0")

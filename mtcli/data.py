@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import random
@@ -24,11 +25,13 @@ from pathlib import Path
 import numpy as np
 import sentencepiece
 
+from mtcli.align import align_split, eflomal_module, eflomal_version, read_alignments
 from mtcli.clean import REASONS, ChunkFilter, Deduplicator, clean_line, describe_drops, langid_version
 from mtcli.config import Config, DataConfig
 from mtcli.corpus import arrow_cache_in, describe_source, fingerprint_hash, open_splits, source_fingerprint
 from mtcli.encode import Job, available_cores, encoded_chunks, workers_for
 from mtcli.errors import MtcliError, error_text
+from mtcli.glossary import MARKERS, TERMINOLOGY_VERSION
 from mtcli.log import logger, progress_bar
 from mtcli.mixture import CorpusTally, corpora_fingerprint, describe_corpora, open_train_corpora
 from mtcli.outputs import publish_folder, remove_stale
@@ -66,6 +69,8 @@ def cache_key(cfg: DataConfig) -> dict:
     }
     if cfg.train_corpora:
         key["train_corpora"] = corpora_fingerprint(cfg)
+    if cfg.terminology:  # how terms are drawn and marked, and the aligner
+        key["terminology"] = {"version": TERMINOLOGY_VERSION, "eflomal": eflomal_version()}
     if cfg.clean.langid:  # another model may name other languages
         key["py3langid"] = langid_version(cfg)
     if cfg.tokenizer:  # the vocabulary's content, not only its folder's name
@@ -333,20 +338,39 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
         pair_filter = ChunkFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
         for note in notes + pair_filter.notes:
             logger.info(note)
+        if data_cfg.terminology:
+            eflomal_module()  # a missing aligner fails before SentencePiece is fitted
         if data_cfg.tokenizer:
             given_tokenizer(data_cfg).copy_to(tmp)
             tokenizer = Tokenizer.from_folder(tmp)
             logger.info(f"tokenizer: {data_cfg.tokenizer}'s, as it is (no SentencePiece fitting)")
+            if data_cfg.terminology and not tokenizer.has_source_symbols(MARKERS):
+                raise MtcliError(
+                    f"data.terminology: the tokenizer of data.tokenizer ({data_cfg.tokenizer}) has no pieces for the "
+                    f"term markers {', '.join(MARKERS)}; fit a new vocabulary (drop data.tokenizer) or set "
+                    "data.terminology to 0"
+                )
         else:
             began = time.time()
             tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
             phases["sentencepiece"] = _phase(began)
+        alignments = None
+        if data_cfg.terminology:
+            began = time.time()
+            alignments = tmp / "train.align"
+            aligned = align_split(sources["train"], alignments)
+            phases["align"] = _phase(began, sources["train"].num_rows)
+            logger.info(
+                f"align: eflomal linked {aligned['aligned']:,} of {aligned['pairs']:,} training pairs "
+                f"({aligned['links']:,} links)"
+            )
         dtype = "uint16" if max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size) <= 65535 else "int32"
         workers = data_cfg.workers or available_cores()
         splits = {}
         for role, source in sources.items():
             began = time.time()
-            splits[role] = _encode_split(source, tokenizer, tmp, data_cfg, dtype, workers)
+            links = alignments if role == "train" else None
+            splits[role] = _encode_split(source, tokenizer, tmp, data_cfg, dtype, workers, links)
             used = workers_for(source.num_rows, workers) if role == "train" else 1
             phases[f"encode {role}"] = {**_phase(began, source.num_rows), "workers": used}
         meta = {
@@ -442,6 +466,8 @@ def split_report(meta: dict, cfg: DataConfig) -> list[str]:
         line = f"  {role:5} {s['name']:18} {s['total']:>9,} pairs: kept {s['kept']:,}"
         if role == "train":
             line += f"; dropped {describe_drops(s, cfg)}"
+            if "terms_marked" in s:
+                line += f"; terms marked in {s['terms_marked']:,} (data.terminology {cfg.terminology:g})"
         else:
             if s["too_long"]:
                 line += f" ({s['too_long']:,} over {cfg.max_len} subwords, kept: eval splits are never filtered)"
@@ -471,6 +497,8 @@ def _train_tokenizer(train, folder: Path, cfg: DataConfig) -> Tokenizer:
             "blank; check data.path and data.splits.train"
         )
     tags = sorted({c.tag for c in cfg.train_corpora if c.tag})  # one piece each (data.train_corpora tags)
+    if cfg.terminology:  # and the term markers (glossary.MARKERS), in the source's vocabulary
+        tags += list(MARKERS)
     if cfg.joint_vocab:
         train_sentencepiece(src_lines + tgt_lines, folder / "spm.model", cfg, tags)
         return Tokenizer(folder / "spm.model")
@@ -488,9 +516,12 @@ def tag_ids(tokenizer: Tokenizer, tag: str) -> list[int]:
     return ids[1:] if len(ids) > 1 and tokenizer.src_pieces(ids[:1]) == ["▁"] else ids
 
 
-def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str, workers: int) -> dict:
+def _encode_split(
+    source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, dtype: str, workers: int, alignments: Path | None
+) -> dict:
     """Encode one split on `workers` processes (mtcli.encode), appending to flat id files; train pairs go through
-    the filters (clean.ChunkFilter, then the duplicate check in order), eval pairs are kept as they are."""
+    the filters (clean.ChunkFilter, then the duplicate check in order), eval pairs are kept as they are.
+    `alignments`: the split's train.align, whose links mark terms in data.terminology's share of the pairs."""
     role, is_train = source.role, source.role == "train"
     counts = {
         "name": source.name,
@@ -499,6 +530,7 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
         **dict.fromkeys(REASONS, 0),
         "src_tokens": 0,
         "tgt_tokens": 0,
+        **({"terms_marked": 0} if alignments else {}),
     }
     tally = CorpusTally(source.corpora) if source.corpora else None  # several training corpora: which pair is whose
     tags = [tag_ids(tokenizer, c.tag) for c in cfg.train_corpora] if any(c.tag for c in cfg.train_corpora) else []
@@ -514,8 +546,10 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
         if is_train
         else {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
     )
+    reader = read_alignments(alignments) if alignments else None
     try:
-        for chunk in encoded_chunks(source, job, workers if is_train else 1, corpus_ids):
+        links = (lambda n: list(itertools.islice(reader, n))) if reader else None
+        for chunk in encoded_chunks(source, job, workers if is_train else 1, corpus_ids, links):
             n = len(chunk.src_len)
             counts["total"] += n
             if is_train:
@@ -539,6 +573,8 @@ def _encode_split(source, tokenizer: Tokenizer, folder: Path, cfg: DataConfig, d
                 length[keep].astype(np.int64).tofile(lengths[side])
                 counts[f"{side}_tokens"] += len(kept)
             counts["kept"] += int(keep.sum())
+            if alignments:
+                counts["terms_marked"] += chunk.marked
             bar.update(n)
     finally:
         bar.close()

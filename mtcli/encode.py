@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import random
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import numpy as np
 
 from mtcli.clean import ChunkFilter, clean_line, flatten
 from mtcli.config import DataConfig
+from mtcli.glossary import augmented_source
 from mtcli.tokenizer import Tokenizer
 
 CHUNK = 10_000  # pairs a worker encodes at a time
@@ -50,6 +52,7 @@ class EncodedChunk:
     keys: np.ndarray | None
     after: np.ndarray | None
     texts: tuple[list[str], list[str]] | None  # eval splits: the cleaned lines, which the cache keeps as text
+    marked: int = 0  # train pairs whose source got terms marked (data.terminology)
 
 
 _worker: dict = {}  # this process's tokenizer and filter (set by _start)
@@ -61,21 +64,53 @@ def _start(job: Job, threads: int) -> None:
     _worker.update(job=job, tokenizer=tokenizer, filter=ChunkFilter(job.cfg) if job.is_train else None)
 
 
-def _encode(task: tuple[int, list, list, np.ndarray | None]) -> EncodedChunk:
-    start, sources, targets, corpus = task
+def _encode(task: tuple[int, list, list, np.ndarray | None, list | None]) -> EncodedChunk:
+    start, sources, targets, corpus, links = task
     job, tokenizer, pair_filter = _worker["job"], _worker["tokenizer"], _worker["filter"]
     sources, targets = [clean_line(s) for s in sources], [clean_line(t) for t in targets]
     src_ids, tgt_ids = tokenizer.encode_src(sources, job.cfg.src_prefix), tokenizer.encode_tgt(targets)
+    # the filters judge the pair as the corpus has it; the cache keeps its marked source (data.terminology)
+    kept_ids = _with_terms(start, sources, targets, src_ids, links, tokenizer, job.cfg) if links else src_ids
+    marked = sum(a is not b for a, b in zip(kept_ids, src_ids))
     if corpus is not None:  # data.train_corpora tags: first in the source of their own corpus's pairs
-        src_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus.tolist(), src_ids)]
+        corpus = corpus.tolist()
+        src_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus, src_ids)]
+        kept_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus, kept_ids)]
     src, src_bounds = flatten(src_ids)
     tgt, tgt_bounds = flatten(tgt_ids)
     flat = ((src, src_bounds), (tgt, tgt_bounds))
     verdicts = pair_filter.verdicts(sources, targets, *flat) if pair_filter else (None, None, None)
+    if marked:
+        src, src_bounds = flatten(kept_ids)
     texts = None if job.is_train else (sources, targets)
     return EncodedChunk(
-        start, src.astype(np.int32), tgt.astype(np.int32), np.diff(src_bounds), np.diff(tgt_bounds), *verdicts, texts
+        start,
+        src.astype(np.int32),
+        tgt.astype(np.int32),
+        np.diff(src_bounds),
+        np.diff(tgt_bounds),
+        *verdicts,
+        texts,
+        marked,
     )
+
+
+def _with_terms(start, sources, targets, src_ids, links, tokenizer, cfg: DataConfig) -> list:
+    """src_ids with data.terminology's share of the pairs re-encoded from their marked source (glossary.
+    augmented_source). Which pairs, and which of their words, depend on the pair's row alone (a generator seeded by
+    it), so the cache is the same for any number of workers."""
+    marked: dict[int, str] = {}
+    for i, (source, target, pair_links) in enumerate(zip(sources, targets, links)):
+        rng = random.Random(f"terminology {start + i}")
+        if pair_links and rng.random() < cfg.terminology:
+            text = augmented_source(source, target, pair_links, rng)
+            if text is not None:
+                marked[i] = text
+    out = list(src_ids)
+    for i, ids in zip(marked, tokenizer.encode_src(list(marked.values()), cfg.src_prefix)):
+        if len(ids) <= cfg.max_len:  # a marked source past the length limit: the pair as it is
+            out[i] = ids
+    return out
 
 
 def available_cores() -> int:
@@ -90,11 +125,12 @@ def workers_for(rows: int, workers: int) -> int:
     return 1 if rows < MIN_PARALLEL else max(workers, 1)
 
 
-def encoded_chunks(source, job: Job, workers: int, corpus_ids=None) -> Iterator[EncodedChunk]:
+def encoded_chunks(source, job: Job, workers: int, corpus_ids=None, alignments=None) -> Iterator[EncodedChunk]:
     """The split's chunks, encoded, in order. `corpus_ids(start, n)`: which of data.train_corpora each pair of a
-    chunk comes from (tags), or None."""
+    chunk comes from (tags), or None; `alignments(n)`: the word alignments of the chunk's n pairs, read in order
+    (data.terminology), or None."""
     tasks = (
-        (start, s, t, corpus_ids(start, len(s)) if corpus_ids else None)
+        (start, s, t, corpus_ids(start, len(s)) if corpus_ids else None, alignments(len(s)) if alignments else None)
         for start, (s, t) in zip(range(0, source.num_rows, CHUNK), source.batches(CHUNK))
     )
     if workers_for(source.num_rows, workers) == 1:

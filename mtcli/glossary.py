@@ -1,5 +1,5 @@
 """Glossaries: a file of `source term<TAB>target term` pairs, the terms found in a text (constrained.py then writes
-their target terms), and term accuracy.
+their target terms, or the text is marked for a model trained with terminology), and term accuracy.
 
 File: UTF-8, one pair a line, `#` starts a comment line, blank lines are skipped. Matching rules, the same in every
 command that takes a glossary:
@@ -18,6 +18,7 @@ dict).
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -97,6 +98,104 @@ class Glossary:
             else:
                 i += 1
         return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Terms marked in the source (decode.constraints soft; data.terminology trains a model to follow them)
+#
+# The inline syntax, OpusTrainer's (Dinu et al. 2019's append method): each source term is followed by the target
+# term the translation should use, `__source__ apples __target__ Äpfel __done__`. The three markers are pieces of
+# their own in the vocabulary of a model trained with data.terminology, so the same marked text works in mtcli, in
+# every export (CTranslate2, Transformers, Argos) and typed into LibreTranslate: only the source text changes.
+
+MARKERS = ("__source__", "__target__", "__done__")
+TERMINOLOGY_VERSION = 2  # bump when augmented_source's output changes (it is part of the data cache's key)
+MAX_AUGMENTED_TERMS = 2  # terms marked in one augmented training pair (1 or 2, drawn)
+MAX_AUGMENTED_WORDS = 3  # words of a source or target term marked in training
+
+
+# In training, this share of the marked terms loses its source words (`__source__ __target__ Äpfel __done__`): with
+# the source words there, the marked target repeats what they already say, and a model can learn to ignore it; without
+# them, copying the marked target is the only way to translate the term (the masking of Ailem et al. 2021).
+DROP_SOURCE_TERM = 0.5
+
+
+def marked(source: str, target: str) -> str:
+    return (
+        f"{MARKERS[0]} {source} {MARKERS[1]} {target} {MARKERS[2]}"
+        if source
+        else f"{MARKERS[0]} {MARKERS[1]} {target} {MARKERS[2]}"
+    )
+
+
+def mark_terms(text: str, matches: list[Match], drop: frozenset[int] = frozenset()) -> str:
+    """`text` with each match followed by its target term in the inline syntax (matches do not overlap); the
+    matches at the positions `drop` lose their source words (training only: DROP_SOURCE_TERM)."""
+    out, at = [], 0
+    for n, m in enumerate(sorted(matches, key=lambda m: m.start)):
+        out += [text[at : m.start], marked("" if n in drop else text[m.start : m.end], m.target)]
+        at = m.end
+    return "".join(out) + text[at:]
+
+
+def soft_marked(text: str, matches: list[Match]) -> str:
+    """What decode.constraints soft (and `mtcli glossary mark`) hands the model: each matched source term replaced by
+    `__source__ __target__ <target term> __done__`, the masked form training uses (DROP_SOURCE_TERM). Keeping the
+    source words reads better but works worse: where the words and the marked target disagree, the toy model
+    followed the words (5% term accuracy against 67-87% masked, docs/benchmarks.md)."""
+    return mark_terms(text, matches, frozenset(range(len(matches))))
+
+
+def phrase_pairs(links: list[tuple[int, int]], max_words: int = MAX_AUGMENTED_WORDS) -> list[tuple[int, int, int, int]]:
+    """Aligned phrase pairs (source words [a, b), target words [c, d)) of at most `max_words` words a side, where
+    every word of both spans is aligned and no link leaves the pair: the units that can be marked as a term."""
+    by_src: dict[int, list[int]] = {}
+    by_tgt: dict[int, list[int]] = {}
+    for i, j in links:
+        by_src.setdefault(i, []).append(j)
+        by_tgt.setdefault(j, []).append(i)
+    pairs = []
+    for a in sorted(by_src):
+        for b in range(a + 1, a + max_words + 1):
+            if b - 1 not in by_src:
+                break
+            targets = [j for i in range(a, b) for j in by_src[i]]
+            c, d = min(targets), max(targets) + 1
+            if d - c > max_words:
+                continue
+            if all(j in by_tgt and all(a <= i < b for i in by_tgt[j]) for j in range(c, d)):
+                pairs.append((a, b, c, d))
+    return pairs
+
+
+def augmented_source(source: str, target: str, links: list[tuple[int, int]], rng: random.Random) -> str | None:
+    """The training source with 1 or 2 aligned terms marked (their target words as the target text writes them; each
+    term's source words dropped with DROP_SOURCE_TERM's odds), or None when the pair has no term to mark. Terms are
+    drawn among phrase_pairs whose source side holds a word of three letters or more (not punctuation, numbers or
+    "a", "in") and never overlap."""
+    src_words, tgt_words = words(source), words(target)
+
+    def is_term(a: int, b: int, c: int, d: int) -> bool:
+        return (
+            b <= len(src_words) and d <= len(tgt_words) and any(len(w) >= 3 and w.isalpha() for *_, w in src_words[a:b])
+        )
+
+    candidates = [p for p in phrase_pairs(links) if is_term(*p)]
+    rng.shuffle(candidates)
+    wanted = rng.randint(1, MAX_AUGMENTED_TERMS)
+    chosen: list[tuple[int, int, int, int]] = []
+    for pair in candidates:
+        if len(chosen) == wanted:
+            break
+        if all(pair[1] <= a or b <= pair[0] for a, b, _, _ in chosen):
+            chosen.append(pair)
+    if not chosen:
+        return None
+    matches = [
+        Match(src_words[a][0], src_words[b - 1][1], "", target[tgt_words[c][0] : tgt_words[d - 1][1]])
+        for a, b, c, d in sorted(chosen)
+    ]
+    return mark_terms(source, matches, frozenset(n for n in range(len(matches)) if rng.random() < DROP_SOURCE_TERM))
 
 
 def _tsv_rows(path: Path | str, option: str) -> Iterator[tuple[str, list[str]]]:

@@ -157,6 +157,15 @@ class Tokenizer:
     def tgt_pieces(self, ids: list[int]) -> list[str]:
         return [self.tgt.id_to_piece(i) for i in ids]
 
+    def has_source_symbols(self, symbols: Iterable[str]) -> bool:
+        """Whether each symbol is one source piece of its own (a SentencePiece user-defined symbol, such as the term
+        markers of a model trained with data.terminology), so that it survives anywhere in a line."""
+        for symbol in symbols:
+            pieces = [p for p in self.src_pieces(self.encode_src([f"a{symbol}a"])[0]) if p != "▁"]
+            if symbol not in pieces:
+                return False
+        return True
+
     def decode_tgt(self, ids: list[list[int]]) -> list[str]:
         """Subword ids (specials are dropped) back to detokenized text, without surrounding whitespace (a lone final
         "▁" piece would leave a trailing space; MarianTokenizer strips it too, so exports decode alike)."""

@@ -25,7 +25,7 @@ from mtcli.constrained import constrained_beam_search
 from mtcli.device import resolve_device
 from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
-from mtcli.glossary import Glossary, load_glossary
+from mtcli.glossary import MARKERS, Glossary, load_glossary, soft_marked
 from mtcli.inference import inference_model, translation_precision
 from mtcli.log import logger, progress_bar
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
@@ -161,7 +161,10 @@ class Translator:
         """translate_nbest without options or splitting: over-long lines are truncated, with one warning."""
         cut = [len(line) > self.max_chars for line in lines]
         lines = [line[: self.max_chars].strip() for line in lines]
-        terms = self.glossary_terms(lines, decode, glossary if glossary is not None else self.glossary)
+        glossary = glossary if glossary is not None else self.glossary
+        terms = self.glossary_terms(lines, decode, glossary)
+        if glossary is not None and decode.constraints == "soft":
+            lines = self.marked_lines(lines, glossary)
         ids = self.source_ids(lines, decode)
         n_truncated = sum(len(x) > self.max_src_tokens or c for x, c in zip(ids, cut))
         if n_truncated:
@@ -193,16 +196,27 @@ class Translator:
         """The target terms each line's translation must hold (decode.constraints hard), as target subword ids: those
         of the glossary's matches in the line; None without a glossary or with constraints off. `glossary`: a
         Glossary, one per line, or None."""
-        if glossary is None or decode.constraints == "off":
+        if glossary is None or decode.constraints != "hard":
             return None
         per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
         found = [g.matches(line) if g is not None else [] for g, line in zip(per_line, lines)]
         if decode.sampling and any(found):
             raise MtcliError(
                 "a glossary's terms are written by beam search (decode.constraints hard), not by sampling: drop "
-                "--sampling, or set decode.constraints=off"
+                "--sampling, or set decode.constraints=soft (a model trained with data.terminology) or off"
             )
         return [[self.term_ids(m.target) for m in matches] for matches in found]
+
+    def marked_lines(self, lines: list[str], glossary) -> list[str]:
+        """decode.constraints soft: each line with its glossary terms marked (glossary.soft_marked), which a model
+        trained with data.terminology learnt to copy. `glossary`: a Glossary or one per line."""
+        if not self.tokenizer.has_source_symbols(MARKERS):
+            raise MtcliError(
+                "decode.constraints soft needs a model trained with data.terminology (its vocabulary has no "
+                f"{', '.join(MARKERS)} pieces); use decode.constraints=hard, which works with any model"
+            )
+        per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
+        return [soft_marked(line, g.matches(line)) if g is not None else line for g, line in zip(per_line, lines)]
 
     def term_ids(self, term: str) -> list[int]:
         """A target term as the target subwords the model writes for it inside a sentence: after a space (a word start)

@@ -1,0 +1,152 @@
+"""Word alignments of a parallel corpus with eflomal (Östling & Tiedemann 2016, the aligner of Mozilla's pipeline),
+symmetrized with grow-diag-final-and, as Pharaoh lines (`i-j`: source word i is aligned to target word j).
+
+Words are those of glossary.words (a run of letters and digits, one character of a script written without spaces,
+one punctuation mark), so the alignments, the terminology augmentation built on them (glossary.augmented_source)
+and glossary matching all count words the same way. `mtcli data` aligns the train split once, chunk by chunk (memory
+stays bounded in the corpus's size), and keeps the links beside the encoded corpus as `train.align`, one line per
+train row of the source before filtering.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from mtcli.clean import clean_line
+from mtcli.errors import MtcliError
+from mtcli.glossary import words
+from mtcli.log import progress_bar
+
+# Pairs aligned by one eflomal run: bounds memory (eflomal holds its chunk in memory) while giving each run enough
+# text to estimate its lexical statistics; eflomal sets its iterations from the chunk's size.
+ALIGN_CHUNK = 250_000
+# Sentences longer than this (in words) are not aligned (eflomal itself skips those of 1,024 tokens or more).
+MAX_ALIGN_WORDS = 250
+NEIGHBOURS = ((-1, 0), (0, -1), (1, 0), (0, 1), (-1, -1), (-1, 1), (1, -1), (1, 1))
+
+Links = list[tuple[int, int]]
+
+
+def eflomal_module():
+    """The eflomal package, or one line saying how to install it."""
+    try:
+        import eflomal
+    except ImportError:
+        raise MtcliError(
+            "word alignment needs eflomal, which is not installed: pip install 'mtcli[align]' (it builds with a C "
+            "compiler), or set data.terminology to 0"
+        ) from None
+    return eflomal
+
+
+def eflomal_version() -> str:
+    from importlib.metadata import version
+
+    return version("eflomal")
+
+
+def alignment_words(text: str) -> list[str]:
+    """The words eflomal sees for a line: glossary.words', case-folded."""
+    return [w for _, _, w in words(text)]
+
+
+def parse_links(line: str) -> Links:
+    """Pharaoh `i-j i-j ...` as (i, j) pairs."""
+    return [(int(i), int(j)) for i, _, j in (link.partition("-") for link in line.split())]
+
+
+def format_links(links: Links) -> str:
+    return " ".join(f"{i}-{j}" for i, j in sorted(links))
+
+
+def symmetrize(forward: Links, reverse: Links) -> Links:
+    """grow-diag-final-and (Koehn et al. 2005, as Moses and fast_align's atools do it): the links both directions
+    agree on, grown into their union's neighbouring links (diagonals included) that cover a word not yet aligned on
+    either side, then the links of each direction that align two words both still unaligned."""
+    forward_set, reverse_set = set(forward), set(reverse)
+    union = forward_set | reverse_set
+    links = forward_set & reverse_set
+    src_aligned = {i for i, _ in links}
+    tgt_aligned = {j for _, j in links}
+
+    def add(i: int, j: int) -> None:
+        links.add((i, j))
+        src_aligned.add(i)
+        tgt_aligned.add(j)
+
+    grown = True
+    while grown:
+        grown = False
+        for i, j in sorted(links):
+            for di, dj in NEIGHBOURS:
+                new = (i + di, j + dj)
+                if new in union and new not in links and (new[0] not in src_aligned or new[1] not in tgt_aligned):
+                    add(*new)
+                    grown = True
+    for direction in (forward_set, reverse_set):
+        for i, j in sorted(direction):
+            if (i, j) not in links and i not in src_aligned and j not in tgt_aligned:
+                add(i, j)
+    return sorted(links)
+
+
+def align_chunk(sources: list[str], targets: list[str]) -> list[Links]:
+    """Symmetrized links of each pair (empty for a pair with an empty or over-long side), from one eflomal run."""
+    eflomal = eflomal_module()
+    src_words = [alignment_words(s) for s in sources]
+    tgt_words = [alignment_words(t) for t in targets]
+    usable = [i for i, (s, t) in enumerate(zip(src_words, tgt_words)) if 0 < max(len(s), len(t)) <= MAX_ALIGN_WORDS]
+    usable = [i for i in usable if src_words[i] and tgt_words[i]]
+    out: list[Links] = [[] for _ in sources]
+    if not usable:
+        return out
+    with tempfile.TemporaryDirectory(prefix="mtcli-align-") as tmp:
+        forward_file, reverse_file = os.path.join(tmp, "fwd"), os.path.join(tmp, "rev")
+        try:
+            eflomal.Aligner().align(
+                [" ".join(src_words[i]) + "\n" for i in usable],
+                [" ".join(tgt_words[i]) + "\n" for i in usable],
+                links_filename_fwd=forward_file,
+                links_filename_rev=reverse_file,
+                quiet=True,
+            )
+        except Exception as e:  # the aligner is a separate program: its failure is one line, not a traceback
+            raise MtcliError(f"eflomal failed on {len(usable):,} pairs: {type(e).__name__}: {e}") from None
+        with open(forward_file, encoding="utf-8") as fwd, open(reverse_file, encoding="utf-8") as rev:
+            for i, forward, reverse in zip(usable, fwd, rev):
+                links = symmetrize(parse_links(forward), parse_links(reverse))
+                # eflomal never links past a sentence's words; a link that does means a mismatch of the two files
+                n, m = len(src_words[i]), len(tgt_words[i])
+                out[i] = [(a, b) for a, b in links if a < n and b < m]
+    return out
+
+
+def align_split(source, out_path: Path, chunk: int = ALIGN_CHUNK) -> dict:
+    """Align every pair of a split (a corpus.SplitSource) and write one Pharaoh line per row to `out_path`;
+    returns counts for meta.json."""
+    eflomal_module()  # before any work: a missing aligner fails at once
+    bar = progress_bar(source.num_rows, unit="pair")
+    bar.set_description("align train")
+    aligned = links_total = 0
+    try:
+        with open(out_path, "w", encoding="utf-8") as out:
+            for sources, targets in source.batches(chunk):
+                # the text exactly as the encoder cleans it: the augmentation's word offsets are in that text
+                for links in align_chunk([clean_line(s) for s in sources], [clean_line(t) for t in targets]):
+                    out.write(format_links(links) + "\n")
+                    aligned += bool(links)
+                    links_total += len(links)
+                bar.update(len(sources))
+    finally:
+        bar.close()
+    return {"pairs": source.num_rows, "aligned": aligned, "links": links_total}
+
+
+def read_alignments(path: Path) -> Iterator[Links]:
+    """The links of each row of a `train.align` file, in order."""
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield parse_links(line)
