@@ -353,6 +353,30 @@ def translate(
     translate_source(translator, decode, source, output_file, force)
 
 
+@app.command("mark-terms", cls=_Command, short_help="Mark a glossary's terms in text, for any engine of a terms model.")
+def mark_terms(
+    text: list[str] = typer.Argument(None, help="Sentences to mark; `-` or none with a pipe reads stdin."),
+    glossary: Path = typer.Option(..., "--glossary", help=GlossaryOpt.help.split(".")[0] + "."),
+    input_file: Path = typer.Option(None, "--input", "-i", help="Mark this file, one sentence per line."),
+    output_file: Path = typer.Option(
+        None, "--output", "-o", help="Write the marked lines here (default: stdout); an existing file needs --force."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace an existing --output file."),
+):
+    """Write each line with the glossary's terms marked as a model trained with data.terminology reads them
+    (`__source__ __target__ <target term> __done__` in place of each source term): what decode.constraints soft
+    does inside mtcli, for the CTranslate2, Transformers and Argos exports of such a model, or LibreTranslate.
+
+    Example: mtcli mark-terms --glossary terms.tsv --input news.en --output news.marked.en
+    """
+    from mtcli.glossary import load_glossary, soft_marked
+    from mtcli.line_io import open_source, rewrite_source
+
+    source = open_source(text, input_file, output_file, force, [glossary])
+    terms = load_glossary(glossary)
+    rewrite_source(source, output_file, force, lambda line: soft_marked(line, terms.matches(line)))
+
+
 @app.command(
     "eval", cls=_Command, short_help="Score a split or files: BLEU, chrF, chrF++, TER; confidence, paired tests."
 )
@@ -480,6 +504,12 @@ def export(
     probe_ref: Path = ProbeRefOpt,
     probe_lines: int = ProbeLinesOpt,
     no_check: bool = NoCheckOpt,
+    glossary: Path = typer.Option(
+        None,
+        "--glossary",
+        help="A model trained with data.terminology: the parity report also compares term accuracy on the probe "
+        "lines that hold this glossary's terms, marked as decode.constraints soft marks them.",
+    ),
 ):
     """Export a checkpoint: a Hugging Face Transformers directory (AutoModelForSeq2SeqLM + AutoTokenizer), a
     CTranslate2 model directory with the SentencePiece model beside it, or an Argos Translate package (a .argosmodel
@@ -512,7 +542,7 @@ def export(
     if quantization not in CT2_QUANTIZATIONS:
         raise MtcliError(f"--quantization {quantization}: choose one of {', '.join(CT2_QUANTIZATIONS)}")
     ckpt = resolve_checkpoint(run, checkpoint)
-    parity = parity_options(probe, probe_ref, probe_lines, no_check)
+    parity = parity_options(probe, probe_ref, probe_lines, no_check, glossary)
     decode = with_overrides(read_config(ckpt), overrides, ("decode",)).decode if overrides else None
     if format == "hf":
         print(export_hf(ckpt, out, force, parity, decode))
@@ -546,10 +576,10 @@ def verify(
     print(f"{export}: the {checked} files parity.json records are intact")
 
 
-def parity_options(probe, probe_ref, probe_lines: int, no_check: bool):
+def parity_options(probe, probe_ref, probe_lines: int, no_check: bool, glossary: Path | None = None):
     from mtcli.parity import ParityOptions  # it checks them
 
-    return ParityOptions(probe, probe_ref, probe_lines, not no_check)
+    return ParityOptions(probe, probe_ref, probe_lines, not no_check, glossary)
 
 
 @app.command(

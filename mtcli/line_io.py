@@ -10,7 +10,7 @@ import codecs
 import queue
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -138,18 +138,40 @@ def open_source(text: list[str] | None, input_file: Path | None, output_file: Pa
 def translate_source(translator, decode: DecodeConfig, source: Source, output_file: Path | None, force: bool) -> None:
     """Translate `source` to stdout or to `output_file`: through a temporary sibling renamed onto it only when every
     line is written, so an error leaves an existing file as it was."""
-    if source.lines is not None:
-        chunks, total = chunked(source.lines), len(source.lines)
-    elif source.sentences is not None:
-        chunks, total = [source.sentences], 0
-    else:
-        max_chars = 1 << 26 if translator.split_long else translator.max_chars  # split: keep a long line whole
-        chunks, total = stdin_chunks(max_chars=max_chars), 0
+    max_chars = 1 << 26 if translator.split_long else translator.max_chars  # split: keep a long line whole
+    chunks, total = source_chunks(source, max_chars)
     if output_file is None:
         write_translations(translator, chunks, decode, sys.stdout, total)
         return
     with new_file(output_file, force) as out:
         write_translations(translator, chunks, decode, out, total)
+
+
+def source_chunks(source: Source, max_chars: int) -> tuple[Iterable[list[str]], int]:
+    """A Source's lines in chunks, and their number where it is known (0 for sentences and stdin); lines read from
+    stdin are cut at max_chars."""
+    if source.lines is not None:
+        return chunked(source.lines), len(source.lines)
+    if source.sentences is not None:
+        return [source.sentences], 0
+    return stdin_chunks(max_chars=max_chars), 0
+
+
+def rewrite_source(source: Source, output_file: Path | None, force: bool, rewrite: Callable[[str], str]) -> None:
+    """Each line of `source` through `rewrite` (`mtcli mark-terms`), to stdout or through a temporary sibling onto
+    `output_file`."""
+    chunks, _ = source_chunks(source, 1 << 26)
+
+    def write(out: TextIO) -> None:
+        for chunk in chunks:
+            out.writelines(rewrite(line) + "\n" for line in chunk)
+            out.flush()
+
+    if output_file is None:
+        write(sys.stdout)
+        return
+    with new_file(output_file, force) as out:
+        write(out)
 
 
 def read_lines(path: Path) -> list[str]:

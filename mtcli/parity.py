@@ -33,6 +33,7 @@ from typing import BinaryIO
 from mtcli.config import DecodeConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError, error_text
+from mtcli.glossary import MARKERS, expected_terms, load_glossary, soft_marked, term_accuracy
 from mtcli.line_io import read_lines
 from mtcli.log import counted, format_duration, logger
 from mtcli.outputs import MANIFEST, files_under
@@ -276,15 +277,16 @@ class TransformersEngine:
 # The report
 
 
-def parity_report(translator, engine, target: str, precision: str, probe: Probe) -> dict:
+def parity_report(translator, engine, target: str, precision: str, probe: Probe, glossary=None) -> dict:
     """Translate `probe` with `translator` (mtcli, float32) and `engine` at the settings the engine can express;
-    return the report (what parity.json holds)."""
+    return the report (what parity.json holds). With a glossary (a model trained with data.terminology), one more
+    pass compares the two on the probe lines that hold a term, marked (glossary_probe)."""
     decode = translator.config.decode
     settings, notes = engine_settings(decode, target, translator.config.model.max_positions)
     tgt_lang = translator.config.data.tgt_lang
     differs = decode.length_norm != "power" or decode.early_stopping != settings.early_stopping
     own_search = decode.lenpen > 0 and differs  # what a user of the export sees against `mtcli translate`
-    passes = 4 + own_search
+    passes = 4 + own_search + 2 * (glossary is not None)
     searches = f"greedy and beam {settings.beam}" + (", and the run's own search" if own_search else "")
     logger.info(f"parity: translating {counted(len(probe.sources), 'probe line')} {passes} times ({searches})")
     timed = _PassTimer(passes, len(probe.sources))
@@ -310,7 +312,43 @@ def parity_report(translator, engine, target: str, precision: str, probe: Probe)
         "rows": [asdict(r) | {"identical_rate": r.identical_rate} for r in rows],
     }
     report["failures"] = failures(rows, precision)
+    if glossary is not None:
+        report["glossary"] = glossary_probe(translator, engine, settings, probe, glossary, timed)
+        report["failures"] += glossary_failures(report["glossary"], precision)
     return report
+
+
+def glossary_probe(translator, engine, settings: EngineSettings, probe: Probe, glossary, timed=None) -> dict:
+    """The glossary row of a parity report (export --glossary, a model trained with data.terminology): the probe
+    lines that hold a glossary term, marked as decode.constraints soft marks them (glossary.soft_marked), translated
+    by mtcli and by the engine at the beam the engine runs; term accuracy of each, and identical lines."""
+    found = [(line, glossary.matches(line)) for line in probe.sources]
+    lines = [line for line, matches in found if matches]
+    checks = expected_terms(glossary, lines)
+    marked = [soft_marked(line, matches) for line, matches in found if matches]
+    row = {"lines": len(lines), "terms": len(checks), "beam": settings.beam}
+    if not lines:
+        return row | {"note": "no probe line holds a glossary term"}
+    timed = timed or (lambda name, translate, *args: translate(*args))
+    decode = mtcli_decode(translator.config.decode, settings, settings.beam)
+    ours = timed("mtcli, glossary marked", translator.translate, marked, decode)
+    theirs = timed("export, glossary marked", engine.translate, marked, settings, settings.beam)
+    return row | {
+        "term_accuracy": [term_accuracy(checks, ours)["accuracy"], term_accuracy(checks, theirs)["accuracy"]],
+        "identical": sum(a == b for a, b in zip(ours, theirs)),
+    }
+
+
+def glossary_failures(row: dict, precision: str) -> list[str]:
+    """float32: the marked lines translate identically (99%); other precisions: term accuracy within 2 points."""
+    if "term_accuracy" not in row:
+        return []
+    ours, theirs = row["term_accuracy"]
+    if precision == FLOAT32 and row["identical"] < 0.99 * row["lines"]:
+        return [f"glossary: {row['identical']}/{row['lines']} marked lines identical"]
+    if precision != FLOAT32 and theirs < ours - 2:
+        return [f"glossary: term accuracy {ours:.1f}% -> {theirs:.1f}%"]
+    return []
 
 
 class _PassTimer:
@@ -412,6 +450,16 @@ def format_report(report: dict) -> list[str]:
         )
     for note in report["not_expressible"]:
         lines.append(f"  not expressible: {note}")
+    if "glossary" in report:
+        g = report["glossary"]
+        if "term_accuracy" in g:
+            lines.append(
+                f"  glossary (beam {g['beam']}, {g['lines']} lines with {g['terms']} terms, marked): term accuracy "
+                f"mtcli {g['term_accuracy'][0]:.1f}% -> export {g['term_accuracy'][1]:.1f}%, "
+                f"{g['identical']}/{g['lines']} lines identical"
+            )
+        else:
+            lines.append(f"  glossary: {g['note']}")
     for failure in report["failures"]:
         lines.append(f"  DIVERGED: {failure}")
     return lines
@@ -439,21 +487,30 @@ class ParityOptions:
     probe_ref: Path | None = None
     lines: int = PROBE_LINES
     check: bool = True
+    glossary: Path | None = None  # export --glossary: the glossary row (a model trained with data.terminology)
+    terms: object = field(default=None, init=False)  # the glossary, read before any export work
 
     def __post_init__(self):  # before any export work
         if self.lines < 0:
             raise MtcliError(f"--probe-lines {self.lines}: must be 0 or more")
         if self.probe_ref is not None and self.probe is None:
             raise MtcliError("--probe-ref needs --probe (the source lines it is the reference of)")
-        for option, path in (("--probe", self.probe), ("--probe-ref", self.probe_ref)):
+        for option, path in (("--probe", self.probe), ("--probe-ref", self.probe_ref), ("--glossary", self.glossary)):
             if path is not None and not Path(path).is_file():
                 raise MtcliError(f"{option} {path}: no such file")
+        if self.glossary is not None:
+            self.terms = load_glossary(self.glossary)
 
 
 def run_parity(translator, engine, target: str, precision: str, folder: Path, name: str, options: ParityOptions):
     """Probe, compare, print, write folder/parity.json; refuse past the thresholds when options.check."""
     probe = probe_set(translator.config, translator.tokenizer, options.probe, options.probe_ref, options.lines)
-    report = parity_report(translator, engine, target, precision, probe)
+    if options.terms is not None and not translator.tokenizer.has_source_symbols(MARKERS):
+        raise MtcliError(
+            f"--glossary {options.glossary}: the glossary row compares marked text, which only a model trained with "
+            "data.terminology reads; drop --glossary"
+        )
+    report = parity_report(translator, engine, target, precision, probe, options.terms)
     check_and_write(report, folder, name, options.check)
     return report
 

@@ -4,12 +4,15 @@ marked syntax, the augmented training data, and a toy model that copies a marked
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import subprocess
 import sys
 
 import pytest
 from conftest import invoke, train_toy, training_fixture
+from test_parity import ARGOS, ARGOS_SCRIPT
 from typer.testing import CliRunner
 
 from mtcli.align import align_chunk, eflomal_module, format_links, parse_links, symmetrize
@@ -29,6 +32,7 @@ from mtcli.glossary import (
     term_accuracy,
     words,
 )
+from mtcli.parity import CTranslate2Engine, EngineSettings
 from mtcli.toy import OBJECTS, toy_pairs
 from mtcli.translate import Translator
 
@@ -92,6 +96,24 @@ def test_marked_terms_follow_their_source_words():
         "I eat __source__ Apples __target__ 香蕉 __done__ __source__ every  day __target__ 每天 __done__."
     )
     assert mark_terms(text, []) == text
+
+
+def test_mark_terms_writes_each_line_marked_and_keeps_what_it_did_not_create(tmp_path):
+    glossary = tmp_path / "g.tsv"
+    glossary.write_text("apples\tÄpfel\nevery day\tjeden Tag\n", encoding="utf-8")
+    out = invoke("mark-terms", "--glossary", glossary, "I eat apples every day", "nothing here").stdout
+    assert out == "I eat __source__ __target__ Äpfel __done__ __source__ __target__ jeden Tag __done__\nnothing here\n"
+    source = tmp_path / "in.en"
+    source.write_text("Apples!\n\nno term\n", encoding="utf-8")
+    target = tmp_path / "out.en"
+    invoke("mark-terms", "--glossary", glossary, "--input", source, "--output", target)
+    assert target.read_text(encoding="utf-8") == "__source__ __target__ Äpfel __done__!\n\nno term\n"
+    assert invoke("mark-terms", "--glossary", glossary, input="apples\n").stdout == "__source__ __target__ Äpfel __done__\n"
+    target.write_text("mine\n")
+    with pytest.raises(MtcliError, match="--force"):
+        args = ["mark-terms", "--glossary", glossary, "--input", source, "--output", target]
+        CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert target.read_text() == "mine\n"
 
 
 def test_phrase_pairs_are_the_consistent_spans():
@@ -230,3 +252,76 @@ def test_soft_constraints_need_a_model_trained_with_terminology(toy_run, tmp_pat
     args = ["translate", "--run", toy_run, "--glossary", glossary, "--set", "decode.constraints=soft", "I love apples"]
     with pytest.raises(MtcliError, match="decode.constraints soft needs a model trained with data.terminology"):
         CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def rotated_glossary(path):
+    """Every toy object asks for the next object of its kind (apples -> the word for bananas, ...)."""
+    rows = [
+        f"{objects[i][0]}\t{objects[(i + 1) % len(objects)][1]}"
+        for objects in OBJECTS.values()
+        for i in range(len(objects))
+        if len(objects) > 1
+    ]
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.model
+def test_exports_of_a_terminology_model_follow_marked_terms_and_report_them(terms_run, tmp_path):
+    """CTranslate2 int8 and the Argos package (installed in the real argostranslate): the parity report's glossary
+    row compares term accuracy on the marked probe lines, and Argos translates marked text as the CTranslate2
+    export does."""
+    pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    glossary = rotated_glossary(tmp_path / "g.tsv")
+    out = tmp_path / "ct2"
+    invoke(
+        "export",
+        "--run",
+        terms_run,
+        "--format",
+        "ctranslate2",
+        "--quantization",
+        "int8",
+        "--out",
+        out,
+        "--glossary",
+        glossary,
+        "--probe-lines",
+        "200",
+    )
+    row = json.loads((out / "parity.json").read_text())["glossary"]
+    ours, theirs = row["term_accuracy"]
+    assert row["terms"] >= 20 and ours >= 40 and theirs >= ours - 2, row
+    # the Argos package of the same model, installed in the real argostranslate, reads the marked text
+    if not ARGOS:
+        return
+    package = tmp_path / "terms.argosmodel"
+    invoke("export", "--run", terms_run, "--format", "argos", "--out", package, "--glossary", glossary)
+    lines, glossaries, checks = substituted_terms(30)
+    marked = [soft_marked(line, g.matches(line)) for line, g in zip(lines, glossaries)]
+    env = dict(os.environ, ARGOS_PACKAGES_DIR=str(tmp_path / "packages"), ARGOS_DEVICE_TYPE="cpu")
+    env.update({f"XDG_{kind}_HOME": str(tmp_path / kind.lower()) for kind in ("DATA", "CONFIG", "CACHE")})
+    env.update(ARGOS_COMPUTE_TYPE="float32", ARGOS_BEAM_SIZE="4")
+    done = subprocess.run(
+        [sys.executable, "-c", ARGOS_SCRIPT, str(package)],
+        input=json.dumps(marked),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    argos = json.loads(done.stdout.splitlines()[-1])["out"]
+    invoke("export", "--run", terms_run, "--format", "ctranslate2", "--out", tmp_path / "f32", "--probe-lines", "0")
+    assert argos == CTranslate2Engine(tmp_path / "f32").translate(marked, EngineSettings(4, 0.2, True, 1, 256, 0), 4)
+    assert term_accuracy(checks, argos)["accuracy"] >= 40
+
+
+@pytest.mark.model
+def test_a_glossary_row_needs_a_model_trained_with_terminology(toy_run, tmp_path):
+    pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    glossary = rotated_glossary(tmp_path / "g.tsv")
+    args = ["export", "--run", toy_run, "--format", "ctranslate2", "--out", tmp_path / "x", "--glossary", glossary]
+    with pytest.raises(MtcliError, match="only a model trained with data.terminology"):
+        CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+    assert not (tmp_path / "x").exists()
