@@ -24,6 +24,7 @@ from importlib import resources
 
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
+from mtcli.glossary import MARKERS
 from mtcli.log import counted, logger
 from mtcli.segment import Segments, join, split_html, split_text
 from mtcli.serve_requests import (
@@ -150,6 +151,7 @@ class Server:
         n = read_alternatives(fields.get("alternatives"), self.limits)
         decode = replace(self.decode, beam=max(self.decode.beam, n + 1), nbest=n + 1) if n else self.decode
         glossary = self.read_glossary(fields)
+        self.check_constraints(decode, glossary, texts)
         results = await self.translate_texts(request, texts, decode, text_format(fields.get("format")), True, glossary)
         best = [hyps[0].text for hyps in results]
         answer: dict = {"translatedText": best[0] if single else best}
@@ -175,9 +177,7 @@ class Server:
             raise HTTPError(422, "split_sentences: false applies to format text only")
         decode = decode_options(fields, self.decode, self.limits, self.translator.config.model.max_positions)
         glossary = self.read_glossary(fields)
-        in_effect = glossary or self.translator.glossary
-        if decode.sampling and decode.constraints == "hard" and in_effect and any(map(in_effect.matches, texts)):
-            raise HTTPError(422, "sampling cannot write a glossary's terms (beam search does): set constraints off")
+        self.check_constraints(decode, glossary, texts)
         results = await self.translate_texts(request, texts, decode, fmt, split, glossary)
         translations = []
         for hyps in results:
@@ -252,6 +252,16 @@ class Server:
             except MtcliError as e:
                 raise HTTPError(400, str(e)) from None
         return glossary
+
+    def check_constraints(self, decode: DecodeConfig, glossary, texts: list[str]) -> None:
+        """A glossary in effect (the request's, else the server's) that this search cannot apply: 422."""
+        in_effect = glossary or self.translator.glossary
+        if not in_effect:
+            return
+        if decode.sampling and decode.constraints == "hard" and any(map(in_effect.matches, texts)):
+            raise HTTPError(422, "sampling cannot write a glossary's terms (beam search does): set constraints off")
+        if decode.constraints == "soft" and not self.translator.tokenizer.has_source_symbols(MARKERS):
+            raise HTTPError(422, "constraints soft needs a model trained with data.terminology; use hard")
 
     def check_count(self, count: int, what: str) -> None:
         if count > self.limits.max_sentences:

@@ -210,13 +210,17 @@ class Translator:
     def marked_lines(self, lines: list[str], glossary) -> list[str]:
         """decode.constraints soft: each line with its glossary terms marked (glossary.soft_marked), which a model
         trained with data.terminology learnt to copy. `glossary`: a Glossary or one per line."""
+        self.check_soft()
+        per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
+        return [soft_marked(line, g.matches(line)) if g is not None else line for g, line in zip(per_line, lines)]
+
+    def check_soft(self) -> None:
+        """Refuse soft constraints for a model that was not trained to read marked terms."""
         if not self.tokenizer.has_source_symbols(MARKERS):
             raise MtcliError(
                 "decode.constraints soft needs a model trained with data.terminology (its vocabulary has no "
                 f"{', '.join(MARKERS)} pieces); use decode.constraints=hard, which works with any model"
             )
-        per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
-        return [soft_marked(line, g.matches(line)) if g is not None else line for g, line in zip(per_line, lines)]
 
     def term_ids(self, term: str) -> list[int]:
         """A target term as the target subwords the model writes for it inside a sentence: after a space (a word start)
@@ -351,6 +355,8 @@ def load_translator(
     translator = Translator.from_checkpoint(checkpoint, device, decode.precision, ensemble, split_long)
     if terms is not None:
         translator.check_terms(terms)
+        if decode.constraints == "soft":  # before the first line, not at it
+            translator.check_soft()
     translator.glossary = terms
     return translator, translator.decode_config(decode)
 

@@ -329,6 +329,10 @@ def test_glossaries_reach_the_translation_server_wide_and_per_request(server):
     assert_error(server.post("/v1/translate", {"texts": ["tea"], "glossary": long_term}), 400, "subwords")
     sampled = server.post("/v1/translate", {"texts": ["I love the xylophone"], "sampling": True})
     assert_error(sampled, 422, "constraints off")
+    soft = server.post(
+        "/v1/translate", {"texts": ["she likes tea"], "glossary": [["tea", "咖啡"]], "constraints": "soft"}
+    )
+    assert_error(soft, 422, "constraints soft needs a model trained with data.terminology")
     assert server.post("/translate", {"q": "I love apples", **LIBRE})[2] == {"translatedText": "我喜欢苹果"}
 
 

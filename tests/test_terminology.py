@@ -12,6 +12,7 @@ import sys
 
 import pytest
 from conftest import invoke, train_toy, training_fixture
+from faults_serve import Server
 from test_parity import ARGOS, ARGOS_SCRIPT
 from typer.testing import CliRunner
 
@@ -253,6 +254,29 @@ def test_soft_constraints_need_a_model_trained_with_terminology(toy_run, tmp_pat
     args = ["translate", "--run", toy_run, "--glossary", glossary, "--set", "decode.constraints=soft", "I love apples"]
     with pytest.raises(MtcliError, match="decode.constraints soft needs a model trained with data.terminology"):
         CliRunner().invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+@pytest.mark.system
+def test_the_server_applies_soft_constraints_of_a_terminology_model(terms_run, tmp_path):
+    """A request's glossary with constraints soft, and a server started with --glossary and soft for every request."""
+    lines, glossaries, checks = substituted_terms(12)
+    glossary = tmp_path / "g.tsv"
+    glossary.write_text("".join(f"{c.source}\t{c.target}\n" for c in checks[:1]), encoding="utf-8")
+    srv = Server(terms_run, "--glossary", str(glossary), "--set", "decode.constraints=soft", "--precision", "fp32")
+    try:
+        translator = Translator.from_checkpoint(resolve_checkpoint(terms_run), "cpu", "fp32")
+        expected = [h[0].text for h in translator.translate_nbest(lines, glossary=glossaries, constraints="soft")]
+        for line, g, text in zip(lines, glossaries, expected):
+            pairs = [[key[0], target] for key, target in g.terms.items()]
+            body = {"texts": [line], "glossary": pairs, "constraints": "soft"}
+            assert srv.post("/v1/translate", body)[2]["translations"][0]["text"] == text
+        libre = {"q": lines[0], "source": "en", "target": "zh", "format": "text"}
+        assert srv.post("/translate", libre)[2]["translatedText"] == expected[0]  # the server's glossary, soft
+        assert srv.stop() == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()
+            srv.proc.wait()
 
 
 def rotated_glossary(path):
