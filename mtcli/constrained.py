@@ -56,6 +56,17 @@ class TermState:
                 return TermState(self.met | {i}) if len(term) == 1 else TermState(self.met, i, 1)
         return TermState(self.met)
 
+    def met_in_text(self, text: str, new_chars: int, term_texts: list[str]) -> TermState:
+        """The state with every term not yet written that `text` now holds (within its last piece, `new_chars`
+        long, and before it) counted as written."""
+        state = self
+        for i, term in enumerate(term_texts):
+            if i not in state.met and term and term in text[-(len(term) + new_chars) :]:
+                state = (
+                    TermState(state.met | {i}) if state.term == i else TermState(state.met | {i}, state.term, state.pos)
+                )
+        return state
+
     def written(self, terms: list[list[int]]) -> int:
         """Term tokens written: the bank."""
         return sum(len(terms[i]) for i in self.met) + self.pos
@@ -89,10 +100,15 @@ def constrained_beam_search(
     no_repeat_ngram: int = 0,
     length_norm: str = "gnmt",
     early_stopping: bool = False,
+    piece_text: list[str] | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search in which each sentence's output contains every term of `terms[i]` (lists of target subword ids)
     that fits its length limit (terms are kept in order while their tokens fit). Returns the `nbest` best
-    hypotheses per sentence, best first; see the module's description."""
+    hypotheses per sentence, best first; see the module's description.
+
+    `piece_text` (each target id's text, for languages written without spaces): a term also counts as written when
+    the hypothesis's text holds it, whatever pieces wrote it. In Chinese a term is often inside a longer piece
+    (吃新鲜的梨 is one piece of the toy vocabulary), and its own pieces would otherwise be written a second time."""
     B, k, device, eos = src.shape[0], beam_size, src.device, model.specials.eos
     terms = [_fitting(sentence, int(limit)) for sentence, limit in zip(terms, max_lens.tolist())]
     wanted = max(k, nbest)
@@ -107,6 +123,10 @@ def constrained_beam_search(
     scores[:, 0] = 0.0
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
     row_max_lens = max_lens.repeat_interleave(k)
+    term_texts = (
+        [["".join(piece_text[t] for t in term) for term in sentence] for sentence in terms] if piece_text else []
+    )
+    texts = [""] * (B * k)  # each row's output text, with piece_text
     for step in range(max_total + 1):
         n = len(sentences)
         # (2) Log-probabilities with the terms' rules.
@@ -178,6 +198,11 @@ def constrained_beam_search(
         kept = [picks[i * k + j] for i in keep for j in range(k)]
         history = [history[row] + [token] for row, token, _ in kept]
         states = [states[row].advance(token, terms[sentences[row // k]]) for row, token, _ in kept]
+        if piece_text:
+            texts = [texts[row] + piece_text[token] for row, token, _ in kept]
+            for j, (row, token, _) in enumerate(kept):
+                sentence = sentences[row // k]
+                states[j] = states[j].met_in_text(texts[j], len(piece_text[token]), term_texts[sentence])
         scores = torch.tensor([score for _, _, score in kept], device=device).view(-1, k)
         tokens = torch.tensor([token for _, token, _ in kept], device=device).view(-1, 1)
         rows = torch.tensor([row for row, _, _ in kept], device=device)

@@ -77,6 +77,7 @@ class Translator:
         # applied as decode.constraints says: a Glossary, or one per line of what it translates next (eval --terms)
         self.glossary: Glossary | list[Glossary] | None = None
         self._term_ids: dict[str, list[int]] = {}
+        self._piece_texts: list[str] | None = None  # piece_texts(), made once
 
     @classmethod
     def from_checkpoint(
@@ -214,6 +215,18 @@ class Translator:
         per_line = glossary if isinstance(glossary, list) else [glossary] * len(lines)
         return [soft_marked(line, g.matches(line)) if g is not None else line for g, line in zip(per_line, lines)]
 
+    def piece_texts(self) -> list[str] | None:
+        """Each target id's text, where the target language is written without spaces (constrained search then
+        counts a term as written wherever the text holds it); None elsewhere."""
+        if word_separator(self.config.data.tgt_lang):
+            return None
+        if self._piece_texts is None:
+            pieces = self.tokenizer.tgt_pieces(list(range(self.tokenizer.tgt_vocab_size)))
+            specials = self.tokenizer.specials
+            skip = {specials.pad, specials.bos, specials.eos, specials.unk}
+            self._piece_texts = ["" if i in skip else p.replace("▁", "") for i, p in enumerate(pieces)]
+        return self._piece_texts
+
     def check_soft(self) -> None:
         """Refuse soft constraints for a model that was not trained to read marked terms."""
         if not self.tokenizer.has_source_symbols(MARKERS):
@@ -268,7 +281,16 @@ class Translator:
         if terms is not None and any(terms):
             d = decode
             hyps = constrained_beam_search(
-                *args, terms, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram, d.length_norm, d.early_stopping
+                *args,
+                terms,
+                d.beam,
+                d.lenpen,
+                d.min_len,
+                d.nbest,
+                d.no_repeat_ngram,
+                d.length_norm,
+                d.early_stopping,
+                self.piece_texts(),
             )
         elif decode.sampling:
             if self.generator is None:  # one stream for the whole session: a line's sample must not depend on batching
