@@ -211,18 +211,19 @@ def _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, 
 
 
 def sentences_done(
-    finished, sentences, best_live: torch.Tensor, wanted: int, penalty, early_stopping: bool = False
+    finished, sentences, best_live: torch.Tensor, wanted: int | list[int], penalty, early_stopping: bool = False
 ) -> list[bool]:
-    """Beam phase (6): a sentence is done with `wanted` finished hypotheses, the worst of which its best live one
-    cannot beat at the present length (its score can only fall) or at once with early_stopping, or with no live
-    candidate left."""
+    """Beam phase (6): a sentence is done with `wanted` finished hypotheses (one number, or one per sentence), the
+    worst of which its best live one cannot beat at the present length (its score can only fall) or at once with
+    early_stopping, or with no live candidate left."""
     is_done = []
     for sentence, live in zip(sentences.tolist(), best_live.tolist()):
         hyps = finished[sentence]
-        if len(hyps) >= wanted:
+        n = wanted[sentence] if isinstance(wanted, list) else wanted
+        if len(hyps) >= n:
             hyps.sort(key=lambda h: -h.score)
-            del hyps[wanted:]
-            is_done.append(early_stopping or live / penalty <= hyps[wanted - 1].score)
+            del hyps[n:]
+            is_done.append(early_stopping or live / penalty <= hyps[n - 1].score)
         else:
             is_done.append(live == NEG_INF)  # e.g. at the length limit
     return is_done
