@@ -8,8 +8,9 @@ The terminology test set is built here, in the WMT 2021 style, from the split's 
 split's (source, reference) pairs together with the training corpus (alignment statistics need more than a test
 set), and each line gets 1-2 aligned phrase pairs as terms (glossary.phrase_pairs; a source word of 4 letters or
 more). A term is "unusual" when the baseline model's translation of the line (no glossary) lacks its target words;
-lines prefer unusual terms, so that a glossary has something to change (the issue asks for at least a third). The
-set is written beside the results (terms file: `line<TAB>source term<TAB>target term`, as mtcli eval --terms reads).
+lines prefer unusual terms, so that a glossary has something to change (the issue asks for at least a third).
+`--terms-out FILE` writes the set (`line<TAB>source term<TAB>target term`, as mtcli eval --terms reads it): corpus
+text, so never into the project.
 
 Prints a table and writes benchmarks/term_quality.json (--json elsewhere). Judge on a split nothing was tuned on.
 """
@@ -87,6 +88,11 @@ def write_terms(path: Path, checks: list[TermCheck]) -> None:
         f.writelines(f"{c.line + 1}\t{c.source}\t{c.target}\n" for c in checks)
 
 
+def checkpoint_of(path: Path) -> Path:
+    """A checkpoint folder as it is; a run directory's best checkpoint."""
+    return path if (path / "model.safetensors").is_file() else resolve_checkpoint(path)
+
+
 def timed(function, *args, **kwargs):
     began = time.perf_counter()
     out = function(*args, **kwargs)
@@ -122,18 +128,20 @@ def evaluate(translator, sources, references, glossaries, checks, beam: int, mod
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", type=Path, required=True, help="run trained without data.terminology")
+    parser.add_argument("--base", type=Path, required=True, help="run (its best checkpoint) or checkpoint folder")
     parser.add_argument("--terms", type=Path, required=True, help="the same recipe with data.terminology")
+    parser.add_argument("--precision", default="auto", help="translation precision: auto, fp32, bf16, int8")
     parser.add_argument("--split", default="test", help="valid or test (default: test)")
     parser.add_argument("--lines", type=int, default=1000)
     parser.add_argument("--beam", type=int, default=5)
     parser.add_argument("--json", type=Path, default=OWN_JSON)
+    parser.add_argument("--terms-out", type=Path, help="write the term set here (mtcli eval --terms reads it)")
     parser.add_argument("--ct2", type=Path, help="the CTranslate2 int8 export of --terms (soft row of the export)")
     args = parser.parse_args()
     if args.json.resolve() != OWN_JSON and args.json.exists():
         sys.exit(f"--json {args.json}: exists; this benchmark replaces only {OWN_JSON.name}")
-    base = Translator.from_checkpoint(resolve_checkpoint(args.base), "cpu", "fp32")
-    terms = Translator.from_checkpoint(resolve_checkpoint(args.terms), "cpu", "fp32")
+    base = Translator.from_checkpoint(checkpoint_of(args.base), "cpu", args.precision)
+    terms = Translator.from_checkpoint(checkpoint_of(args.terms), "cpu", args.precision)
     sources, references, links = aligned_split(base, args.split, args.lines)
     print(f"baseline translations of {len(sources):,} lines ...", flush=True)
     baseline = base.translate(sources, beam=args.beam)
@@ -144,7 +152,8 @@ def main() -> None:
         f"({unusual / max(len(checks), 1):.0%})",
         flush=True,
     )
-    write_terms(args.json.with_suffix(f".{args.split}.terms.tsv"), checks)
+    if args.terms_out:  # corpus text: kept out of the project
+        write_terms(args.terms_out, checks)
     result = {
         "cpu": cpu_name(),
         "split": args.split,
@@ -152,9 +161,11 @@ def main() -> None:
         "terms": len(checks),
         "unusual_terms": unusual,
         "beam": args.beam,
-        "base": str(resolve_checkpoint(args.base)),
-        "terms_run": str(resolve_checkpoint(args.terms)),
+        "base": str(checkpoint_of(args.base)),
+        "terms_run": str(checkpoint_of(args.terms)),
+        "precision": base.precision,
     }
+    terms.translate(sources[:64], beam=args.beam)  # warm-up (the baseline's was its translations above)
     print(f"{args.base} (no terminology):", flush=True)
     result["base_rows"] = evaluate(base, sources, references, glossaries, checks, args.beam, ("none", "hard"))
     print(f"{args.terms} (data.terminology):", flush=True)
