@@ -18,6 +18,7 @@ from pathlib import Path
 from mtcli.clean import clean_line
 from mtcli.errors import MtcliError
 from mtcli.glossary import words
+from mtcli.line_io import format_links
 from mtcli.log import progress_bar
 
 # Pairs aligned by one eflomal run: bounds memory (eflomal holds its chunk in memory) while giving each run enough
@@ -56,10 +57,6 @@ def alignment_words(text: str) -> list[str]:
 def parse_links(line: str) -> Links:
     """Pharaoh `i-j i-j ...` as (i, j) pairs."""
     return [(int(i), int(j)) for i, _, j in (link.partition("-") for link in line.split())]
-
-
-def format_links(links: Links) -> str:
-    return " ".join(f"{i}-{j}" for i, j in sorted(links))
 
 
 def symmetrize(forward: Links, reverse: Links) -> Links:
@@ -143,6 +140,58 @@ def align_split(source, out_path: Path, chunk: int = ALIGN_CHUNK) -> dict:
     finally:
         bar.close()
     return {"pairs": source.num_rows, "aligned": aligned, "links": links_total}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Words and subwords: links between words carried to the pieces that spell them, and back
+
+
+def piece_words(pieces: list[str], text: str) -> list[int]:
+    """The index of the word (glossary.words of `text`) each SentencePiece piece spells, -1 for none (a lone "▁").
+    Pieces are walked along the text one non-space character at a time, so a piece's word is that of its first
+    character; a byte-fallback piece (<0xE4>) counts one character for the first byte of each UTF-8 character.
+    Normalization that changes a text's length (NFKC's "ﬁ" -> "fi") can shift later pieces by a word, never more
+    than the text holds."""
+    owner = [-1] * len(text)
+    for w, (start, end, _) in enumerate(words(text)):
+        owner[start:end] = [w] * (end - start)
+    out, pos = [], 0
+    for piece in pieces:
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            byte = int(piece[3:5], 16)
+            if 0x80 <= byte < 0xC0:  # a continuation byte: the character its first byte began
+                out.append(out[-1] if out else -1)
+                continue
+            chars = 1
+        else:
+            chars = sum(not c.isspace() for c in piece.replace("▁", " "))
+        word = -1
+        for _ in range(chars):
+            while pos < len(text) and text[pos].isspace():
+                pos += 1
+            if pos < len(text):
+                word = owner[pos] if word < 0 else word
+                pos += 1
+        out.append(word)
+    return out
+
+
+def piece_links(links: Links, src_words: list[int], tgt_words: list[int]) -> list[tuple[int, int]]:
+    """Word links as links between the pieces of the linked words: every piece of source word i with every piece
+    of target word j."""
+    src_pieces: dict[int, list[int]] = {}
+    tgt_pieces: dict[int, list[int]] = {}
+    for p, w in enumerate(src_words):
+        src_pieces.setdefault(w, []).append(p)
+    for q, w in enumerate(tgt_words):
+        tgt_pieces.setdefault(w, []).append(q)
+    return [(p, q) for i, j in links for p in src_pieces.get(i, ()) for q in tgt_pieces.get(j, ())]
+
+
+def word_links(piece_pairs, src_words: list[int], tgt_words: list[int]) -> Links:
+    """Links between pieces (source piece, target piece) as sorted, distinct links between the words they spell."""
+    found = {(src_words[p], tgt_words[q]) for p, q in piece_pairs if src_words[p] >= 0 and tgt_words[q] >= 0}
+    return sorted(found)
 
 
 def read_alignments(path: Path) -> Iterator[Links]:

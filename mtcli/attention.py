@@ -103,3 +103,34 @@ class CrossAttention(nn.Module):
         if beams > 1:
             y = y.view(B, H, beams, T, D).transpose(1, 2).reshape(N, H, T, D)
         return output_projection(self.out, y)
+
+    def alignment_weights(
+        self,
+        x: torch.Tensor,
+        memory: torch.Tensor,
+        mask: torch.Tensor | None,
+        heads: int,
+        cache: LayerCache | None = None,
+    ) -> torch.Tensor:
+        """The attention probabilities of the first `heads` heads for the queries of `x` (the input this layer's
+        forward got), averaged over those heads, in fp32: (N, T, S), each row summing to 1 over the unmasked keys.
+        Computed beside the forward (the same weights SDPA uses inside, without dropout), from the cached keys when
+        decoding: what guided alignment trains and what alignments are read from."""
+        d = x.shape[-1]
+        width = heads * (d // self.heads)
+        q = self.q(x)[..., :width]  # (N, T, heads * D); whole projections: an inference model's are packed (oneDNN)
+        N, T = q.shape[:2]
+        q = q.view(N, T, heads, -1).transpose(1, 2).float()  # (N, heads, T, D)
+        if cache is not None and cache.cross_k is not None:
+            k = cache.cross_k[:, :heads].float()
+        else:
+            k = self.kv(memory)[..., :width]  # kv is [k; v]: k's first heads
+            k = k.view(memory.shape[0], memory.shape[1], heads, -1).transpose(1, 2).float()  # (B, heads, S, D)
+        B = k.shape[0]
+        beams = N // B
+        q = q.view(B, beams, heads, T, -1).transpose(1, 2).reshape(B, heads, beams * T, -1)
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, heads, beams * T, S)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(-1).mean(1)  # (B, beams * T, S)
+        return weights.view(B, beams, T, -1).reshape(N, T, -1)

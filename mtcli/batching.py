@@ -141,6 +141,10 @@ class Batch:
     tgt_in: torch.Tensor | None = None  # (B, T) BOS + target ids, right-padded
     tgt_index: torch.Tensor | None = None  # (N,) flat positions in (B*T) of the N real target tokens
     labels: torch.Tensor | None = None  # (N,) the target ids + EOS at those positions: what the loss reads
+    # train.guided_alignment: links as flat positions in (B, T, S) (the decoder position that writes a target piece,
+    # the source piece it is aligned to) and their weights (1 / the links of that target piece)
+    align_index: torch.Tensor | None = None
+    align_weight: torch.Tensor | None = None
 
     @property
     def n_tgt_tokens(self) -> int:
@@ -149,7 +153,13 @@ class Batch:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
         return Batch(
-            move(self.src), move(self.src_pad_mask), move(self.tgt_in), move(self.tgt_index), move(self.labels)
+            move(self.src),
+            move(self.src_pad_mask),
+            move(self.tgt_in),
+            move(self.tgt_index),
+            move(self.labels),
+            move(self.align_index),
+            move(self.align_weight),
         )
 
 
@@ -158,10 +168,12 @@ def collate(
     tgts: Sequence[Sequence[int]] | None = None,
     max_len: int = 0,
     specials: Specials = MTCLI_SPECIALS,
+    links: Sequence[np.ndarray] | None = None,
 ) -> Batch:
     """Tensors for one batch of id sequences without specials: sources get EOS, targets BOS (input side) and EOS
     (labels), padding is `specials.pad` (the model's: `model.specials`). `max_len` (with specials; 0: none) truncates
-    over-long sentences to the model's positions."""
+    over-long sentences to the model's positions. `links`: each pair's links between source and target pieces
+    (EncodedSplit.links), for guided alignment; the EOS of the target is linked to the EOS of the source."""
     pad, bos, eos = specials.pad, specials.bos, specials.eos
     cap = max_len - 1 if max_len else None
     srcs = [s[:cap] for s in srcs]
@@ -186,9 +198,27 @@ def collate(
         real_tgt[row, : len(t) + 1] = True
     flat = tgt_out.reshape(-1)
     tgt_index = np.flatnonzero(real_tgt.reshape(-1))
-    return Batch(
+    batch = Batch(
         src_t, src_pad_mask, torch.from_numpy(tgt_in), torch.from_numpy(tgt_index), torch.from_numpy(flat[tgt_index])
     )
+    if links is not None:
+        batch.align_index, batch.align_weight = _alignment_targets(links, srcs, tgts, T, S)
+    return batch
+
+
+def _alignment_targets(links, srcs, tgts, T: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guided alignment's targets: flat (B, T, S) positions of every link that survives truncation, plus each
+    target's EOS -> the source's EOS, and weights that sum to 1 over each aligned target position."""
+    index, weight = [], []
+    for row, (pairs, s, t) in enumerate(zip(links, srcs, tgts)):
+        pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+        pairs = pairs[(pairs[:, 0] < len(s)) & (pairs[:, 1] < len(t))]
+        source = np.append(pairs[:, 0], len(s))
+        target = np.append(pairs[:, 1], len(t))
+        counts = np.bincount(target, minlength=len(t) + 1)
+        index.append((row * T + target) * S + source)
+        weight.append(1.0 / counts[target])
+    return torch.from_numpy(np.concatenate(index)), torch.from_numpy(np.concatenate(weight).astype(np.float32))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -330,6 +330,17 @@ def translate(
     precision: str = PrecisionOpt,
     ensemble: list[Path] = EnsembleOpt,
     glossary: Path = GlossaryOpt,
+    alignments: bool = typer.Option(
+        False,
+        "--alignments",
+        help="Print each translation's word alignment after ` ||| ` (Pharaoh `i-j`: source word i, target word j).",
+    ),
+    html: bool = typer.Option(
+        False,
+        "--html",
+        help="Each sentence given, or all of --input or stdin, is one HTML document: markup kept, inline tags "
+        "put back around the words they hold.",
+    ),
     overrides: list[str] = DecodeSetOpt,
     device: str = DeviceOpt,
     force: bool = typer.Option(False, "--force", help="Replace an existing --output file."),
@@ -340,7 +351,7 @@ def translate(
     """
     from mtcli.checkpoint import read_config, resolve_checkpoint
     from mtcli.line_io import open_source, translate_source
-    from mtcli.translate import load_translator
+    from mtcli.translate import load_translator, translate_html_source
 
     source = open_source(text, input_file, output_file, force, [run, checkpoint, *(ensemble or [])])
     ckpt = resolve_checkpoint(run, checkpoint)
@@ -350,7 +361,14 @@ def translate(
     translator, decode = load_translator(
         ckpt, read_config(ckpt), overrides or [], device, ensemble or [], split_long, glossary, **options
     )
-    translate_source(translator, decode, source, output_file, force)
+    if html:
+        if alignments:
+            raise MtcliError("--alignments with --html: alignments count words of plain text; translate without --html")
+        translate_html_source(translator, decode, source, input_file, output_file, force)
+        return
+    if alignments:
+        translator.note_alignment_source()
+    translate_source(translator, decode, source, output_file, force, alignments)
 
 
 @app.command("mark-terms", cls=_Command, short_help="Mark a glossary's terms in text, for any engine of a terms model.")

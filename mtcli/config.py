@@ -157,6 +157,9 @@ class DataConfig:
     # Äpfel __done__`, so that the model learns to copy a marked target term (decode.constraints soft). Needs eflomal
     # (pip install 'mtcli[align]'); the train split's word alignments are kept in the cache (train.align). 0: off.
     terminology: float = 0.0
+    # Word alignments of the train split (eflomal, as for data.terminology, one step and one cache), kept per pair as
+    # links between source and target subwords (train.links.*): what train.guided_alignment trains towards.
+    alignments: bool = False
 
     def __post_init__(self):
         _check_numbers(self, "data")
@@ -215,6 +218,11 @@ class ModelConfig:
     scale_embedding: bool = True  # embeddings times sqrt(d_model) before the positions are added (the paper)
     # A fixed bias added to the output logits (MarianMT's final_logits_bias): a buffer, not trained, as in Transformers.
     output_bias: bool = False
+    # The decoder layer whose cross-attention gives word alignments (negative: from the top; null: the penultimate,
+    # or the only one, where Garg et al. 2019 found alignments best) and how many of its heads, from the first, are
+    # averaged: the head(s) train.guided_alignment trains, and CTranslate2's alignment_layer / alignment_heads.
+    alignment_layer: int | None = None
+    alignment_heads: int = 1
 
     def __post_init__(self):
         _check_numbers(self, "model")
@@ -235,6 +243,10 @@ class ModelConfig:
         )
         for key in ("dropout", "attention_dropout", "activation_dropout", "src_word_dropout"):
             _check(0.0 <= getattr(self, key) < 1.0, f"model.{key}", "must be in [0, 1)")
+        n = self.n_decoder_layers
+        layer_ok = self.alignment_layer is None or -n <= self.alignment_layer < n
+        _check(layer_ok, "model.alignment_layer", f"must be null or a decoder layer between {-n} and {n - 1}")
+        _check(1 <= self.alignment_heads <= self.heads, "model.alignment_heads", f"must be between 1 and {self.heads}")
         billions = self.layer_parameters() / 1e9
         _check(
             billions <= MAX_LAYER_PARAMETERS / 1e9,
@@ -257,6 +269,12 @@ class ModelConfig:
     def n_decoder_layers(self) -> int:
         return self.decoder_layers or self.layers
 
+    @property
+    def alignment_layer_index(self) -> int:
+        """model.alignment_layer as an index from 0."""
+        n, layer = self.n_decoder_layers, self.alignment_layer
+        return max(n - 2, 0) if layer is None else layer % n
+
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -275,6 +293,10 @@ class TrainConfig:
     clip_norm: float = 0.0  # 0: no clipping (the paper)
     label_smoothing: float = 0.1
     rdrop: float = 0.0  # R-Drop alpha (Liang et al. 2021); > 0 runs each batch twice: 2x the cost of an update
+    # Guided alignment (Garg et al. 2019; Marian's --guided-alignment): the weight of a cross-entropy between the
+    # alignment heads' attention (model.alignment_layer / alignment_heads) and the train split's word alignments
+    # (data.alignments), added to the loss per target token; 0: off. Marian's default weight is 0.1.
+    guided_alignment: float = 0.0
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     compile: bool = False
     device: str = "auto"  # auto: CUDA when available, else CPU
@@ -310,6 +332,7 @@ class TrainConfig:
             "min_lr",
             "threads",
             "rdrop",
+            "guided_alignment",
         ):
             _check(getattr(self, key) >= 0, f"train.{key}", "must be >= 0")
         _check(self.lr > 0, "train.lr", "must be positive")
@@ -424,6 +447,18 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+
+    def __post_init__(self):
+        _check(
+            not self.train.guided_alignment or self.data.alignments,
+            "train.guided_alignment",
+            "trains towards the train split's word alignments: set data.alignments: true too",
+        )
+        _check(
+            not self.train.guided_alignment or not self.data.sampling_alpha,
+            "train.guided_alignment",
+            "its links are between the cached pieces, which data.sampling_alpha re-segments: set one of them to 0",
+        )
 
     def source_prefix(self, decode: DecodeConfig | None = None) -> str:
         """What goes before every source line: decode.src_prefix where set (another target language of a

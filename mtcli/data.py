@@ -69,7 +69,7 @@ def cache_key(cfg: DataConfig) -> dict:
     }
     if cfg.train_corpora:
         key["train_corpora"] = corpora_fingerprint(cfg)
-    if cfg.terminology:  # how terms are drawn and marked, and the aligner
+    if cfg.terminology or cfg.alignments:  # how terms are drawn and marked, links carried to pieces, the aligner
         key["terminology"] = {"version": TERMINOLOGY_VERSION, "eflomal": eflomal_version()}
     if cfg.clean.langid:  # another model may name other languages
         key["py3langid"] = langid_version(cfg)
@@ -136,6 +136,31 @@ class EncodedSplit:
     def tgt(self, i: int) -> np.ndarray:
         off = self._offsets[1]
         return self._tokens[1][off[i] : off[i + 1]]
+
+    @cached_property
+    def _links(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """data.alignments: the offsets of each pair's piece links and the links, (n, 2) uint16; None without."""
+        idx, bin_path = self.folder / f"{self.role}.links.idx.npy", self.folder / f"{self.role}.links.bin"
+        if not idx.exists():
+            return None
+        try:
+            offsets = np.load(idx, mmap_mode="r")
+            size = bin_path.stat().st_size
+        except (OSError, ValueError, EOFError) as e:
+            raise damaged_cache(idx, error_text(e)) from None
+        if offsets.ndim != 1 or len(offsets) != len(self) + 1 or size != 4 * int(offsets[-1]):
+            raise damaged_cache(bin_path, f"{size} bytes; its offsets in {idx.name} do not fit them")
+        links = np.memmap(bin_path, "<u2", mode="r").reshape(-1, 2) if size else np.zeros((0, 2), np.uint16)
+        return offsets, links
+
+    @property
+    def has_links(self) -> bool:
+        return self._links is not None
+
+    def links(self, i: int) -> np.ndarray:
+        """Pair i's links between source and target pieces, (n, 2): source piece, target piece (no EOS)."""
+        offsets, links = self._links
+        return links[offsets[i] : offsets[i + 1]]
 
     def texts(self) -> tuple[list[str], list[str]]:
         """The raw (stripped) source and reference lines of an eval split: what translation and BLEU read."""
@@ -338,7 +363,7 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
         pair_filter = ChunkFilter(data_cfg)  # before SentencePiece: a missing py3langid fails at once
         for note in notes + pair_filter.notes:
             logger.info(note)
-        if data_cfg.terminology:
+        if data_cfg.terminology or data_cfg.alignments:
             eflomal_module()  # a missing aligner fails before SentencePiece is fitted
         if data_cfg.tokenizer:
             given_tokenizer(data_cfg).copy_to(tmp)
@@ -355,7 +380,7 @@ def prepare(cfg: Config, force: bool = False) -> PreparedData:
             tokenizer = _train_tokenizer(sources["train"], tmp, data_cfg)
             phases["sentencepiece"] = _phase(began)
         alignments = None
-        if data_cfg.terminology:
+        if data_cfg.terminology or data_cfg.alignments:
             began = time.time()
             alignments = tmp / "train.align"
             aligned = align_split(sources["train"], alignments)
@@ -468,6 +493,8 @@ def split_report(meta: dict, cfg: DataConfig) -> list[str]:
             line += f"; dropped {describe_drops(s, cfg)}"
             if "terms_marked" in s:
                 line += f"; terms marked in {s['terms_marked']:,} (data.terminology {cfg.terminology:g})"
+            if "links" in s:
+                line += f"; {s['links']:,} subword links (data.alignments)"
         else:
             if s["too_long"]:
                 line += f" ({s['too_long']:,} over {cfg.max_len} subwords, kept: eval splits are never filtered)"
@@ -530,7 +557,8 @@ def _encode_split(
         **dict.fromkeys(REASONS, 0),
         "src_tokens": 0,
         "tgt_tokens": 0,
-        **({"terms_marked": 0} if alignments else {}),
+        **({"terms_marked": 0} if alignments and cfg.terminology else {}),
+        **({"links": 0} if alignments and cfg.alignments else {}),
     }
     tally = CorpusTally(source.corpora) if source.corpora else None  # several training corpora: which pair is whose
     tags = [tag_ids(tokenizer, c.tag) for c in cfg.train_corpora] if any(c.tag for c in cfg.train_corpora) else []
@@ -547,6 +575,9 @@ def _encode_split(
         else {side: open(folder / f"{role}.{side}.txt", "w", encoding="utf-8") for side in ("src", "tgt")}
     )
     reader = read_alignments(alignments) if alignments else None
+    if alignments and cfg.alignments:  # train.links.bin: each kept pair's piece links, (source, target) uint16 pairs
+        files["links"] = open(folder / f"{role}.links.bin", "wb")
+        lengths["links"] = open(folder / f"{role}.links.len.tmp", "wb")
     try:
         links = (lambda n: list(itertools.islice(reader, n))) if reader else None
         for chunk in encoded_chunks(source, job, workers if is_train else 1, corpus_ids, links):
@@ -573,14 +604,20 @@ def _encode_split(
                 length[keep].astype(np.int64).tofile(lengths[side])
                 counts[f"{side}_tokens"] += len(kept)
             counts["kept"] += int(keep.sum())
-            if alignments:
+            if alignments and cfg.terminology:
                 counts["terms_marked"] += chunk.marked
+            if chunk.links is not None:
+                kept_links = [pairs for pairs, k in zip(chunk.links, keep.tolist()) if k]
+                for pairs in kept_links:
+                    files["links"].write(pairs.astype("<u2").tobytes())
+                np.array([len(p) for p in kept_links], np.int64).tofile(lengths["links"])
+                counts["links"] += sum(len(p) for p in kept_links)
             bar.update(n)
     finally:
         bar.close()
         for f in (*files.values(), *lengths.values(), *texts.values()):
             f.close()
-    for side in ("src", "tgt"):
+    for side in ("src", "tgt", "links") if "links" in files else ("src", "tgt"):
         _write_offsets(folder / f"{role}.{side}.len.tmp", folder / f"{role}.{side}.idx.npy")
     if tally is not None:
         counts["corpora"] = tally.save(folder / f"{role}.corpus.npy")

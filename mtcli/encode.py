@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mtcli.align import piece_links, piece_words
 from mtcli.clean import ChunkFilter, clean_line, flatten
 from mtcli.config import DataConfig
-from mtcli.glossary import augmented_source
+from mtcli.glossary import augmented_source, words
 from mtcli.tokenizer import Tokenizer
 
 CHUNK = 10_000  # pairs a worker encodes at a time
@@ -53,6 +54,8 @@ class EncodedChunk:
     after: np.ndarray | None
     texts: tuple[list[str], list[str]] | None  # eval splits: the cleaned lines, which the cache keeps as text
     marked: int = 0  # train pairs whose source got terms marked (data.terminology)
+    # data.alignments: each pair's links between source and target pieces, (n, 2) uint16 (none for a marked pair)
+    links: list[np.ndarray] | None = None
 
 
 _worker: dict = {}  # this process's tokenizer and filter (set by _start)
@@ -70,10 +73,19 @@ def _encode(task: tuple[int, list, list, np.ndarray | None, list | None]) -> Enc
     sources, targets = [clean_line(s) for s in sources], [clean_line(t) for t in targets]
     src_ids, tgt_ids = tokenizer.encode_src(sources, job.cfg.src_prefix), tokenizer.encode_tgt(targets)
     # the filters judge the pair as the corpus has it; the cache keeps its marked source (data.terminology)
-    kept_ids = _with_terms(start, sources, targets, src_ids, links, tokenizer, job.cfg) if links else src_ids
+    terms = links and job.cfg.terminology
+    kept_ids = _with_terms(start, sources, targets, src_ids, links, tokenizer, job.cfg) if terms else src_ids
     marked = sum(a is not b for a, b in zip(kept_ids, src_ids))
+    pieces = None
+    if links and job.cfg.alignments:
+        pieces = _piece_links(sources, targets, src_ids, tgt_ids, kept_ids, links, tokenizer, job.cfg.src_prefix)
     if corpus is not None:  # data.train_corpora tags: first in the source of their own corpus's pairs
         corpus = corpus.tolist()
+        if pieces is not None:  # the tag's pieces come first: source positions move by its length
+            pieces = [
+                p + np.array([len(job.tags[c]), 0], np.uint16) if ids and len(p) else p
+                for c, p, ids in zip(corpus, pieces, src_ids)
+            ]
         src_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus, src_ids)]
         kept_ids = [job.tags[c] + ids if job.tags[c] and ids else ids for c, ids in zip(corpus, kept_ids)]
     src, src_bounds = flatten(src_ids)
@@ -92,7 +104,24 @@ def _encode(task: tuple[int, list, list, np.ndarray | None, list | None]) -> Enc
         *verdicts,
         texts,
         marked,
+        pieces,
     )
+
+
+def _piece_links(sources, targets, src_ids, tgt_ids, kept_ids, links, tokenizer, prefix: str) -> list[np.ndarray]:
+    """data.alignments: each pair's word links (train.align) as links between its source and target pieces; a pair
+    whose source got terms marked (data.terminology) has none (its words moved)."""
+    skipped = len(words(prefix)) if prefix else 0  # the prefix's words come before the line's
+    out = []
+    for source, target, s_ids, t_ids, kept, pair_links in zip(sources, targets, src_ids, tgt_ids, kept_ids, links):
+        if kept is not s_ids or not pair_links:
+            out.append(np.zeros((0, 2), np.uint16))
+            continue
+        text = f"{prefix} {source}" if prefix else source
+        src_words = [w - skipped if w >= skipped else -1 for w in piece_words(tokenizer.src_pieces(s_ids), text)]
+        tgt_words = piece_words(tokenizer.tgt_pieces(t_ids), target)
+        out.append(np.array(piece_links(pair_links, src_words, tgt_words), np.uint16).reshape(-1, 2))
+    return out
 
 
 def _with_terms(start, sources, targets, src_ids, links, tokenizer, cfg: DataConfig) -> list:

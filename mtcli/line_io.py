@@ -22,19 +22,20 @@ from mtcli.outputs import check_file_target, new_file
 
 
 def write_translations(
-    translator, chunks: Iterable[list[str]], decode: DecodeConfig, out: TextIO, total: int = 0
+    translator, chunks: Iterable[list[str]], decode: DecodeConfig, out: TextIO, total: int = 0, alignments=False
 ) -> int:
     """Translate chunks of lines in order, one output line per input line, or with decode.nbest > 1 Moses-style
-    n-best lines `i ||| text ||| features ||| score`. A progress bar counts `total` lines when given. Returns the
-    number of input lines."""
+    n-best lines `i ||| text ||| features ||| score`. `alignments`: each translation is followed by ` ||| ` and its
+    word alignment in Pharaoh format (`0-0 1-2 ...`, source word - target word), as Marian prints them. A progress
+    bar counts `total` lines when given. Returns the number of input lines."""
     count = 0
     bar = progress_bar(total, unit="line", enabled=total > 0)
     for chunk in chunks:
-        for hyps in translator.translate_nbest(chunk, decode):
+        for hyps in translator.translate_nbest(chunk, decode, alignments=alignments):
             if decode.nbest > 1:
-                out.writelines(format_nbest(count, h) + "\n" for h in hyps)
+                out.writelines(format_nbest(count, h, alignments) + "\n" for h in hyps)
             else:
-                out.write(hyps[0].text + "\n")
+                out.write(with_alignment(hyps[0], alignments) + "\n")
             count += 1
         out.flush()
         bar.update(len(chunk))
@@ -42,10 +43,21 @@ def write_translations(
     return count
 
 
-def format_nbest(index: int, t) -> str:
+def format_nbest(index: int, t, alignments: bool = False) -> str:
     """Moses n-best format: sentence index, translation, feature values (`name= value`), total score. The score is
     the log-probability divided by the length penalty of the output length (subwords + EOS)."""
-    return f"{index} ||| {t.text} ||| log_prob= {t.log_prob:.4f} length= {len(t.tokens) + 1} ||| {t.score:.4f}"
+    text = with_alignment(t, alignments)
+    return f"{index} ||| {text} ||| log_prob= {t.log_prob:.4f} length= {len(t.tokens) + 1} ||| {t.score:.4f}"
+
+
+def format_links(links) -> str:
+    """Word links (source word i, target word j) in Pharaoh format, `i-j i-j ...` in order."""
+    return " ".join(f"{i}-{j}" for i, j in sorted(links))
+
+
+def with_alignment(t, alignments: bool) -> str:
+    """A translation's text, and with `alignments` its Pharaoh links after ` ||| `."""
+    return f"{t.text} ||| {format_links(t.alignment or [])}" if alignments else t.text
 
 
 def chunked(lines: list[str], size: int = 10_000) -> Iterator[list[str]]:
@@ -135,16 +147,18 @@ def open_source(text: list[str] | None, input_file: Path | None, output_file: Pa
     return Source() if stdin else Source(sentences=list(text))
 
 
-def translate_source(translator, decode: DecodeConfig, source: Source, output_file: Path | None, force: bool) -> None:
+def translate_source(
+    translator, decode: DecodeConfig, source: Source, output_file: Path | None, force: bool, alignments=False
+) -> None:
     """Translate `source` to stdout or to `output_file`: through a temporary sibling renamed onto it only when every
     line is written, so an error leaves an existing file as it was."""
     max_chars = 1 << 26 if translator.split_long else translator.max_chars  # split: keep a long line whole
     chunks, total = source_chunks(source, max_chars)
     if output_file is None:
-        write_translations(translator, chunks, decode, sys.stdout, total)
+        write_translations(translator, chunks, decode, sys.stdout, total, alignments)
         return
     with new_file(output_file, force) as out:
-        write_translations(translator, chunks, decode, out, total)
+        write_translations(translator, chunks, decode, out, total, alignments)
 
 
 def source_chunks(source: Source, max_chars: int) -> tuple[Iterable[list[str]], int]:

@@ -133,6 +133,14 @@ def target_states(model: Transformer, src, src_pad_mask, tgt_in, tgt_index) -> t
     return hidden.flatten(0, 1).index_select(0, tgt_index)
 
 
+def guided_alignment_loss(weights: torch.Tensor, align_index: torch.Tensor, align_weight: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy between the alignment heads' attention (B, T, S) and the word alignments: for each
+    aligned target position, -sum over its links of (1 / its links) * log attention (Garg et al. 2019's loss,
+    Marian's `ce` guided-alignment cost)."""
+    attention = weights.flatten().index_select(0, align_index)
+    return -(align_weight * attention.clamp_min(1e-9).log()).sum()
+
+
 class _FusedSymmetricKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden1, hidden2, weight, bias, dtype: torch.dtype):
@@ -197,12 +205,22 @@ class LossModel(nn.Module):
     predictions, which is the paper's CE1 + CE2 + alpha / 2 * (KL12 + KL21) halved. The training loss logged is this
     sum; validation losses have no R-Drop term."""
 
-    def __init__(self, model: Transformer, label_smoothing: float, rdrop: float = 0.0):
+    def __init__(self, model: Transformer, label_smoothing: float, rdrop: float = 0.0, guided_alignment: float = 0.0):
         super().__init__()
         self.model, self.label_smoothing, self.rdrop = model, label_smoothing, rdrop
+        self.guided_alignment = guided_alignment
 
-    def forward(self, src, src_pad_mask, tgt_in, tgt_index, labels) -> torch.Tensor:
+    def forward(self, src, src_pad_mask, tgt_in, tgt_index, labels, align_index=None, align_weight=None):
+        """The summed loss; with guided alignment (and the batch's links: align_index, align_weight) plus its
+        weight times guided_alignment_loss."""
         weight, bias = self.model.output.weight, self.model.output_bias
+        if self.guided_alignment and align_index is not None and self.model.training:
+            model = self.model
+            memory = model.encode(src, src_pad_mask)
+            hidden, attention = model.decode_aligned(tgt_in, memory, src_pad_mask, None, model.cfg.alignment_heads)
+            real = hidden.flatten(0, 1).index_select(0, tgt_index)
+            loss = projection_cross_entropy(real, weight, labels, self.label_smoothing, bias)
+            return loss + self.guided_alignment * guided_alignment_loss(attention, align_index, align_weight)
         if not (self.rdrop > 0 and self.model.training):
             real = target_states(self.model, src, src_pad_mask, tgt_in, tgt_index)
             return projection_cross_entropy(real, weight, labels, self.label_smoothing, bias)

@@ -64,14 +64,19 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x, memory, mask, cache=None, start: int = 0) -> torch.Tensor:
+    def forward(self, x, memory, mask, cache=None, start: int = 0, align_heads: int = 0):
+        """Returns the layer's output and, with align_heads, its cross-attention's alignment weights (N, T, S) (else
+        None): CrossAttention.alignment_weights of the first align_heads heads."""
         if self.pre_norm:
             x = self.dropout.residual(x, self.self_attn(self.norm1(x), causal=True, cache=cache, start=start))
-            x = self.dropout.residual(x, self.cross_attn(self.norm2(x), memory, mask, cache=cache))
-            return self.dropout.residual(x, self.ffn(self.norm3(x)))
-        x = self.norm1(self.dropout.residual(x, self.self_attn(x, causal=True, cache=cache, start=start)))
-        x = self.norm2(self.dropout.residual(x, self.cross_attn(x, memory, mask, cache=cache)))
-        return self.norm3(self.dropout.residual(x, self.ffn(x)))
+            h = self.norm2(x)
+            x = self.dropout.residual(x, self.cross_attn(h, memory, mask, cache=cache))
+            weights = self.cross_attn.alignment_weights(h, memory, mask, align_heads, cache) if align_heads else None
+            return self.dropout.residual(x, self.ffn(self.norm3(x))), weights
+        h = self.norm1(self.dropout.residual(x, self.self_attn(x, causal=True, cache=cache, start=start)))
+        x = self.norm2(self.dropout.residual(h, self.cross_attn(h, memory, mask, cache=cache)))
+        weights = self.cross_attn.alignment_weights(h, memory, mask, align_heads, cache) if align_heads else None
+        return self.norm3(self.dropout.residual(x, self.ffn(x))), weights
 
 
 def sinusoidal_positions(max_positions: int, d_model: int) -> torch.Tensor:
@@ -180,14 +185,40 @@ class Transformer(nn.Module):
 
         Without a cache the whole prefix is decoded with a causal mask (right padding needs no other mask). With a
         cache, tgt holds the next position(s) only, written at cache.length, which then advances."""
+        return self.decode_aligned(tgt, memory, src_pad_mask, cache)[0]
+
+    def decode_aligned(
+        self,
+        tgt: torch.Tensor,
+        memory: torch.Tensor,
+        src_pad_mask: torch.Tensor,
+        cache: KVCache | None = None,
+        align_heads: int = 0,
+        stop_at_alignment: bool = False,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """decode_hidden, plus the alignment weights (N, T, S) of model.alignment_layer's first `align_heads` heads
+        (none with 0). stop_at_alignment: only the layers up to the alignment layer run, for the weights alone
+        (hidden is then None; not with a cache, which every layer must fill)."""
         start = cache.length if cache is not None else 0
         mask = self.attention_mask(src_pad_mask)
         x = self._embed(self.tgt_embed, tgt, start)
+        align_layer, weights = self.cfg.alignment_layer_index, None
         for i, layer in enumerate(self.decoder):
-            x = layer(x, memory, mask, cache.layers[i] if cache is not None else None, start)
+            x, layer_weights = layer(
+                x,
+                memory,
+                mask,
+                cache.layers[i] if cache is not None else None,
+                start,
+                align_heads if i == align_layer else 0,
+            )
+            if i == align_layer:
+                weights = layer_weights
+                if stop_at_alignment and cache is None:
+                    return None, weights
         if cache is not None:
             cache.length += tgt.shape[1]
-        return self.decoder_norm(x)
+        return self.decoder_norm(x), weights
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.output(hidden)

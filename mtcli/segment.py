@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from difflib import SequenceMatcher
 from html.parser import HTMLParser
 
+from mtcli.glossary import words
 from mtcli.tokenizer import word_separator
 
 VERBATIM_TAGS = {"script", "style", "code", "pre"}  # HTML whose text is not prose to translate
@@ -246,17 +247,27 @@ def _render(text: str, a: int, b: int, marks: list[Mark]) -> str:
     return "".join(out)
 
 
-def join(segments: Segments, translations: list[str], tgt_lang: str, mark_translations: list[str] | None = None) -> str:
+def join(
+    segments: Segments,
+    translations: list[str],
+    tgt_lang: str,
+    mark_translations: list[str] | None = None,
+    alignments: list | None = None,
+) -> str:
     """The glue with each piece replaced by its translation. Between two pieces, spaces alone are dropped when
     the target language writes without them (Chinese, Japanese). HTML: translations are escaped, and each piece's
-    inline elements are put back around the words of its translation that translate their text
-    (`mark_translations`: the translations of segments.mark_texts(); without them, the texts themselves)."""
+    inline elements are put back: with `alignments` (each piece's word links, glossary.words of the piece and of
+    its translation), around the words aligned to their own words (`place_aligned`); else around the words of its
+    translation that translate their text (`mark_translations`: the translations of segments.mark_texts(); without
+    them, the texts themselves)."""
     no_spaces = word_separator(tgt_lang) == ""
     marks = iter(segments.mark_texts() if mark_translations is None else mark_translations)
     out = [segments.glue[0]]
     for i, translation in enumerate(translations):
         if not segments.html:
             out.append(translation)
+        elif i < len(segments.marks) and segments.marks[i] and alignments is not None:
+            out.append(place_aligned(translation, segments.pieces[i], segments.marks[i], alignments[i], no_spaces))
         elif i < len(segments.marks) and segments.marks[i]:
             out.append(place_marks(translation, segments.pieces[i], segments.marks[i], marks, no_spaces))
         else:
@@ -291,6 +302,61 @@ def _place(text, source, marks, bounds, source_bounds, translated, no_spaces) ->
         region = _free(region, taken, bounds)
         taken.append(region)
         children = _place(text, source, mark.children, region, (mark.start, mark.end), translated, no_spaces)
+        placed.append(Mark(*region, mark.open, mark.close, children))
+    return sorted(placed, key=lambda m: (m.start, m.end))
+
+
+def place_aligned(translation: str, source: str, marks: list[Mark], links, no_spaces: bool) -> str:
+    """`translation`, escaped, with the inline elements of `source` put back by word alignment (`links`: source
+    word, target word, as glossary.words counts them): each element around the target words aligned to the source
+    words it holds, widened to the one span that covers them all (a contiguous element stays one element); an
+    element none of whose words is aligned keeps its relative position in the sentence (so it is never dropped).
+    Nesting is kept (a child inside its parent's span), siblings do not overlap, and unless the language writes
+    without spaces, elements hold whole words."""
+    targets: dict[int, list[int]] = {}
+    for i, j in links:
+        targets.setdefault(i, []).append(j)
+    aligned = _Alignment([(a, b) for a, b, _ in words(source)], [(a, b) for a, b, _ in words(translation)], targets)
+    placed = _place_by_links(translation, marks, (0, len(translation)), (0, len(source)), aligned, no_spaces)
+    return _render(translation, 0, len(translation), placed)
+
+
+@dataclass
+class _Alignment:
+    source_words: list[tuple[int, int]]  # character spans of the source's words
+    target_words: list[tuple[int, int]]
+    targets: dict[int, list[int]]  # source word -> the target words aligned to it
+
+    def span(self, start: int, end: int) -> tuple[int, int] | None:
+        """The characters of the translation that cover every target word aligned to a source word overlapping
+        characters [start, end) of the source; None when none is aligned."""
+        found = [
+            self.target_words[j]
+            for i, (a, b) in enumerate(self.source_words)
+            if a < end and start < b
+            for j in self.targets.get(i, ())
+            if j < len(self.target_words)
+        ]
+        return (min(a for a, _ in found), max(b for _, b in found)) if found else None
+
+
+def _place_by_links(text, marks, bounds, source_bounds, aligned: _Alignment, no_spaces) -> list[Mark]:
+    lo, hi = bounds
+    taken: list[tuple[int, int]] = []
+    placed = []
+    for mark in marks:
+        if mark.start <= source_bounds[0] and mark.end >= source_bounds[1]:
+            region = bounds  # all of its parent's text
+        else:
+            span = aligned.span(mark.start, mark.end)
+            if span is not None:
+                span = (max(span[0], lo), min(span[1], hi))  # inside the parent's span
+            if span is None or span[0] >= span[1]:
+                span = _relative_position(mark, source_bounds, bounds)
+            region = _whole_words(text, span, bounds, no_spaces)
+        region = _free(region, taken, bounds)
+        taken.append(region)
+        children = _place_by_links(text, mark.children, region, (mark.start, mark.end), aligned, no_spaces)
         placed.append(Mark(*region, mark.open, mark.close, children))
     return sorted(placed, key=lambda m: (m.start, m.end))
 

@@ -25,6 +25,7 @@ from importlib import resources
 from mtcli.config import DecodeConfig
 from mtcli.errors import MtcliError
 from mtcli.glossary import MARKERS
+from mtcli.line_io import format_links
 from mtcli.log import counted, logger
 from mtcli.segment import Segments, join, split_html, split_text
 from mtcli.serve_requests import (
@@ -178,12 +179,20 @@ class Server:
         decode = decode_options(fields, self.decode, self.limits, self.translator.config.model.max_positions)
         glossary = self.read_glossary(fields)
         self.check_constraints(decode, glossary, texts)
-        results = await self.translate_texts(request, texts, decode, fmt, split, glossary)
+        alignments = typed("alignments", fields.get("alignments", False), bool)
+        if alignments and fmt == "html":
+            raise HTTPError(422, "alignments: for format text only (HTML's words include its markup)")
+        results = await self.translate_texts(request, texts, decode, fmt, split, glossary, alignments)
         translations = []
         for hyps in results:
             item = {"text": hyps[0].text, "score": hyps[0].score, "log_prob": hyps[0].log_prob}
+            if alignments:
+                item["alignment"] = format_links(hyps[0].alignment or [])
             if decode.nbest > 1:
                 item["nbest"] = [{"text": h.text, "score": h.score, "log_prob": h.log_prob} for h in hyps]
+                if alignments:
+                    for entry, h in zip(item["nbest"], hyps):
+                        entry["alignment"] = format_links(h.alignment or [])
             translations.append(item)
         settings = {key: getattr(decode, key) for key in NATIVE_OPTIONS}
         return JSONResponse({"translations": translations, "source": self.src, "target": self.tgt, "decode": settings})
@@ -207,14 +216,25 @@ class Server:
         return split_text(text, self.src) if split else Segments([text], ["", ""])
 
     async def translate_texts(
-        self, request: Request, texts: list[str], decode: DecodeConfig, fmt: str, split: bool, glossary=None
+        self,
+        request: Request,
+        texts: list[str],
+        decode: DecodeConfig,
+        fmt: str,
+        split: bool,
+        glossary=None,
+        alignments: bool = False,
     ):
         """Each text's n-best list (one entry without nbest): cut into sentences, a sentence longer than the
         positions into pieces that fit (as `mtcli translate --split-long` does), the pieces translated by the
-        worker (with the request's glossary, else the server's), and all joined back."""
+        worker (with the request's glossary, else the server's), and all joined back. `alignments`: each
+        translation's word alignment, as Translation.alignment (words of the whole text, sentences one after
+        another)."""
         segments = [self.cut(text, fmt, split) for text in texts]
-        # HTML: each inline element's text is translated too, to find its words in the sentence's translation
-        mark_texts = [s.mark_texts() for s in segments]
+        # HTML: a model trained to align puts inline elements back by its word alignments; for another, each inline
+        # element's text is translated too, to find its words in the sentence's translation
+        by_links = fmt == "html" and self.translator.guided_alignment
+        mark_texts = [[] if by_links else s.mark_texts() for s in segments]
         sentences = [piece for s, marks in zip(segments, mark_texts) for piece in [*s.pieces, *marks]]
         self.check_count(len(sentences), "sentences")
         t = self.translator
@@ -233,14 +253,16 @@ class Server:
                 lengths += [len(x) + 1 for x in t.source_ids(cut[-1], decode)]
         pieces = [piece for parts in cut for piece in parts]
         self.check_count(len(pieces), "sentences and pieces of long ones")
-        hyps = iter(await self.run(request, pieces, lengths, decode, glossary) if pieces else [])
+        aligned = alignments or by_links
+        hyps = iter(await self.run(request, pieces, lengths, decode, glossary, aligned) if pieces else [])
         sep = word_separator(self.tgt)
         whole = iter([combine_nbest([next(hyps) for _ in parts], sep.join) for parts in cut])
         results = []
         for s, texts in zip(segments, mark_texts):
             pieces = [next(whole) for _ in s.pieces]
             marks = [next(whole)[0].text for _ in texts]
-            results.append(combine_nbest(pieces, lambda t, s=s, marks=marks: join(s, t, self.tgt, marks)))
+            links = [hyps[0].alignment for hyps in pieces] if by_links else None
+            results.append(combine_nbest(pieces, lambda t, s=s, m=marks, a=links: join(s, t, self.tgt, m, a)))
         return results
 
     def read_glossary(self, fields: dict):
@@ -269,12 +291,18 @@ class Server:
             raise HTTPError(413, f"the texts hold {count:,} {what}; {limit}")
 
     async def run(
-        self, request: Request, sentences: list[str], lengths: list[int], decode: DecodeConfig, glossary=None
+        self,
+        request: Request,
+        sentences: list[str],
+        lengths: list[int],
+        decode: DecodeConfig,
+        glossary=None,
+        alignments: bool = False,
     ) -> list:
         """The worker's n-best lists for `sentences`; a 503 (with Retry-After) when the queue is full or the
         request's time runs out. Whatever ends the wait, what is left of the job leaves the queue."""
         try:
-            job = self.worker.submit(sentences, lengths, decode, asyncio.get_running_loop(), glossary)
+            job = self.worker.submit(sentences, lengths, decode, asyncio.get_running_loop(), glossary, alignments)
         except QueueFull as e:
             queued, size = self.worker.queued, self.limits.queue_size
             busy = f"the server is busy ({queued:,} sentences queued, --queue-size {size})"

@@ -45,7 +45,7 @@ NATIVE_OPTIONS = {  # the decode settings a /v1/translate request may set, with 
     "top_p": float,
     "constraints": str,
 }
-NATIVE_FIELDS = {"texts", "format", "split_sentences", "api_key", "glossary", *NATIVE_OPTIONS}
+NATIVE_FIELDS = {"texts", "format", "split_sentences", "api_key", "glossary", "alignments", *NATIVE_OPTIONS}
 # Where decoding stays well-defined, with a wide margin: past them, scores and probabilities overflow or underflow (on
 # the toy model a length penalty of 1,000 overflowed, temperature 1e308 and top_p 1e-300 left no token to sample;
 # 500, 1e30 and 1e-40 still worked)

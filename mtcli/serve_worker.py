@@ -69,6 +69,7 @@ class Job:
     translated: int = 0  # sentences with results (changed by the worker thread only)
     cancelled: bool = False  # its client is gone or a part failed: nothing more of it is translated
     glossary: object = None  # the request's own glossary (a mtcli.glossary.Glossary), else the server's
+    alignments: bool = False  # its translations need word alignments (Translation.alignment)
 
     def __post_init__(self):
         self.results = [None] * len(self.sentences)
@@ -211,10 +212,11 @@ class Worker:
         decode: DecodeConfig,
         loop: asyncio.AbstractEventLoop,
         glossary=None,
+        alignments: bool = False,
     ) -> Job:
         """Queue a request's sentences (their lengths in source subwords) and its own glossary, if any; QueueFull
-        (with a Retry-After estimate) when they do not fit."""
-        job = Job(sentences, lengths, decode, loop, loop.create_future(), glossary=glossary)
+        (with a Retry-After estimate) when they do not fit. `alignments`: translate with word alignments."""
+        job = Job(sentences, lengths, decode, loop, loop.create_future(), glossary=glossary, alignments=alignments)
         with self.changed:
             if self.queued + len(sentences) > self.queue_size:
                 raise QueueFull(self.retry_after())
@@ -343,6 +345,8 @@ class Worker:
         options = {}
         if any(job.glossary is not None for job, _ in items):  # each sentence its request's glossary, else the server's
             options["glossary"] = [job.glossary or self.translator.glossary for job, _ in items]
+        if any(job.alignments for job, _ in items):  # for all of the batch: one more decoder pass either way
+            options["alignments"] = True
         start_time = time.perf_counter()
         hyps = self.translator.translate_nbest(sentences, decode, **options)  # long sentences were cut before queueing
         seconds = time.perf_counter() - start_time

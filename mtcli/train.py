@@ -113,6 +113,12 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
     try:
         run = start_run(cfg, run_dir, d, device, resume)
         state, stopped_by, saved_at = run.state, "max_updates", run.state.update
+        guided = tc.guided_alignment > 0
+        if guided and not run.train_split.has_links:
+            raise MtcliError(
+                f"train.guided_alignment: the data cache {run.data.folder} has no word alignments; "
+                "set data.alignments: true (a new cache is prepared)"
+            )
         if tc.init_from and state.update == 0:  # the starting model's scores: what fine-tuning has to beat
             validate_and_save(run)
         while state.update < tc.max_updates:
@@ -121,7 +127,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
                 stopped_by = "max_epochs"
                 break
             batches = [
-                collate_examples(run.epoch_split, b, run.model.specials).to(device, non_blocking=True)
+                collate_examples(run.epoch_split, b, run.model.specials, guided).to(device, non_blocking=True)
                 for b in plan.batches
             ]
             lr = lr_at(state.update + 1, tc)
@@ -272,8 +278,12 @@ def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
     return split
 
 
-def collate_examples(split: EncodedSplit | SampledSplit, indices: np.ndarray, specials: Specials) -> Batch:
-    return collate([split.src(i) for i in indices], [split.tgt(i) for i in indices], specials=specials)
+def collate_examples(
+    split: EncodedSplit | SampledSplit, indices: np.ndarray, specials: Specials, links: bool = False
+) -> Batch:
+    """A micro-batch of training pairs; `links`: with their piece alignments (train.guided_alignment)."""
+    srcs, tgts = [split.src(i) for i in indices], [split.tgt(i) for i in indices]
+    return collate(srcs, tgts, specials=specials, links=[split.links(i) for i in indices] if links else None)
 
 
 def skip_nonfinite_update(run: Run) -> None:

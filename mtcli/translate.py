@@ -10,6 +10,7 @@ score computed while training and one computed afterwards come from the same cod
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mtcli.align import Links, piece_words, word_links
 from mtcli.batching import collate, translation_batches
 from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
@@ -25,10 +27,13 @@ from mtcli.constrained import constrained_beam_search
 from mtcli.device import resolve_device
 from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
-from mtcli.glossary import MARKERS, Glossary, load_glossary, soft_marked
+from mtcli.glossary import MARKERS, Glossary, load_glossary, soft_marked, words
 from mtcli.inference import inference_model, translation_precision
+from mtcli.line_io import Source
 from mtcli.log import logger, progress_bar
+from mtcli.outputs import new_file
 from mtcli.search import beam_search, greedy_search, max_output_lengths, sample
+from mtcli.segment import join, split_html
 from mtcli.tokenizer import Tokenizer, word_separator
 
 DECODE_OPTIONS = {f.name for f in fields(DecodeConfig)}
@@ -41,6 +46,10 @@ class Translation:
     score: float  # log-probability (with EOS) divided by the length penalty
     log_prob: float  # log-probability (with EOS)
     tokens: list[int]  # output subword ids, without BOS and EOS
+    # with alignments: links (source word, target word) between the words (glossary.words) of the source line and
+    # of `text`, read from the model's alignment heads (Translator.align); source_words: the words of the line
+    alignment: Links | None = None
+    source_words: int = 0
 
 
 # a character a term of a language without spaces follows in a sentence (Translator.term_ids)
@@ -145,19 +154,25 @@ class Translator:
         return [hyps[0].text for hyps in self.translate_nbest(lines, decode, progress, **options)]
 
     def translate_nbest(
-        self, lines: list[str], decode: DecodeConfig | None = None, progress=False, glossary=None, **options
+        self,
+        lines: list[str],
+        decode: DecodeConfig | None = None,
+        progress=False,
+        glossary=None,
+        alignments: bool = False,
+        **options,
     ) -> list[list[Translation]]:
         """decode.nbest translations (best first, with scores) for each line, in order. Empty lines give empty
         outputs; lines longer than the model's positions are truncated, with one warning (split, with split_long).
         `glossary` (a Glossary, or one per line; default the translator's own) is applied as decode.constraints
-        says."""
+        says. `alignments`: each translation gets its word alignment (Translation.alignment)."""
         decode = self.decode_config(decode, **options)
         if self.split_long:
-            return translate_long_lines(self, lines, decode, progress, glossary)
-        return self.translate_lines(lines, decode, progress, glossary)
+            return translate_long_lines(self, lines, decode, progress, glossary, alignments)
+        return self.translate_lines(lines, decode, progress, glossary, alignments)
 
     def translate_lines(
-        self, lines: list[str], decode: DecodeConfig, progress=False, glossary=None
+        self, lines: list[str], decode: DecodeConfig, progress=False, glossary=None, alignments: bool = False
     ) -> list[list[Translation]]:
         """translate_nbest without options or splitting: over-long lines are truncated, with one warning."""
         cut = [len(line) > self.max_chars for line in lines]
@@ -182,11 +197,65 @@ class Translator:
         for batch in translation_batches(lengths, decode.batch_tokens, decode.batch_sentences):
             batch = todo[batch]
             batch_terms = [terms[i] for i in batch] if terms else None
-            for i, hyps in zip(batch, self._search([ids[i] for i in batch], decode, batch_terms)):
+            found = self._search([ids[i] for i in batch], decode, batch_terms)
+            if alignments:
+                self.align([ids[i] for i in batch], [lines[i] for i in batch], found, decode)
+            for i, hyps in zip(batch, found):
                 results[i] = hyps
             bar.update(len(batch))
         bar.close()
         return results
+
+    @property
+    def guided_alignment(self) -> bool:
+        """Whether the model was trained to align (train.guided_alignment): else alignments come from the averaged
+        heads of model.alignment_layer, a rougher guide."""
+        return self.config.train.guided_alignment > 0
+
+    def note_alignment_source(self) -> None:
+        """Say where alignments come from when the model was not trained to align."""
+        if not self.guided_alignment:
+            layer = self.config.model.alignment_layer_index
+            logger.warning(
+                "note: this model was trained without train.guided_alignment: its alignments come from the averaged "
+                f"cross-attention heads of decoder layer {layer}, which align words less reliably"
+            )
+
+    @torch.inference_mode()
+    def align(self, src_ids: list[list[int]], lines: list[str], hyps: list[list[Translation]], decode) -> None:
+        """Set each translation's word alignment: the decoder reads the source and the translation once more (as
+        training does, up to model.alignment_layer only), and each target piece is linked to the source piece its
+        alignment heads attend to most (EOS aside); links between pieces become links between the words they spell.
+        The heads are model.alignment_heads of a model trained with guided alignment, else all of the layer's."""
+        model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+        cfg = model.cfg
+        heads = cfg.alignment_heads if self.guided_alignment else cfg.heads
+        flat = [(i, h) for i, sentence in enumerate(hyps) for h in sentence]
+        if not flat:
+            return
+        batch = collate([src_ids[i] for i, _ in flat], [h.tokens for _, h in flat], specials=model.specials)
+        batch = batch.to(self.device)
+        memory = model.encode(batch.src, batch.src_pad_mask)
+        weights = model.decode_aligned(batch.tgt_in, memory, batch.src_pad_mask, None, heads, True)[1]
+        eos = torch.tensor([len(src_ids[i]) for i, _ in flat], device=weights.device)  # each row's EOS column
+        weights.scatter_(2, eos[:, None, None].expand(-1, weights.shape[1], 1), -1.0)  # never picked (padding is 0)
+        best = weights.argmax(-1).cpu()
+        prefix = self.config.source_prefix(decode)
+        skipped = len(words(prefix)) if prefix else 0
+        src_words = {}
+        for row, (i, h) in enumerate(flat):
+            if i not in src_words:
+                text = f"{prefix} {lines[i]}" if prefix else lines[i]
+                pieces = piece_words(self.tokenizer.src_pieces(src_ids[i]), text)
+                src_words[i] = [w - skipped if w >= skipped else -1 for w in pieces]
+            n_src = len(src_ids[i])
+            h.source_words = len(words(lines[i]))
+            if not h.tokens or not n_src:
+                h.alignment = []
+                continue
+            pairs = list(zip(best[row, : len(h.tokens)].tolist(), range(len(h.tokens))))
+            tgt_words = piece_words(self.tokenizer.tgt_pieces(h.tokens), h.text)
+            h.alignment = word_links(pairs, src_words[i], tgt_words)
 
     def source_ids(self, lines: list[str], decode: DecodeConfig | None = None) -> list[list[int]]:
         """Source subword ids of each line, after the source prefix (decode.src_prefix, else data.src_prefix: the
@@ -335,27 +404,77 @@ def split_long(tokenizer, line: str, limit: int) -> list[str]:
 
 def combine_nbest(hyp_lists: list[list], join_texts: Callable[[list[str]], str]):
     """One n-best list for a text from its pieces' n-best lists: alternative i joins each piece's i-th hypothesis
-    (its last where it has fewer); scores and log-probabilities add up, as for one long output."""
+    (its last where it has fewer); scores and log-probabilities add up, as for one long output, and alignments
+    join with each piece's words counted after those of the pieces before it."""
     n = max((len(hyps) for hyps in hyp_lists), default=1)
     combined = []
     for i in range(n):
         picked = [hyps[min(i, len(hyps) - 1)] for hyps in hyp_lists]
         tokens = [t for h in picked for t in h.tokens]
         score, log_prob = sum(h.score for h in picked), sum(h.log_prob for h in picked)
-        combined.append(Translation(join_texts([h.text for h in picked]), score, log_prob, tokens))
+        joined = Translation(join_texts([h.text for h in picked]), score, log_prob, tokens)
+        if len(picked) == 1:
+            joined.alignment, joined.source_words = picked[0].alignment, picked[0].source_words
+        elif picked and all(h.alignment is not None for h in picked):
+            joined.alignment, src_shift, tgt_shift = [], 0, 0
+            for h in picked:
+                joined.alignment += [(a + src_shift, b + tgt_shift) for a, b in h.alignment]
+                src_shift, tgt_shift = src_shift + h.source_words, tgt_shift + len(words(h.text))
+            joined.source_words = src_shift
+        combined.append(joined)
     return combined
 
 
-def translate_long_lines(translator, lines: list[str], decode, progress=False, glossary=None) -> list:
+def translate_long_lines(translator, lines: list[str], decode, progress=False, glossary=None, alignments=False) -> list:
     """Translator.translate_nbest with split_long: lines over the positions are cut (split_long), all pieces
     translated as one list, and each line's translations joined with a space (nothing for Chinese or Japanese)."""
     cut = [split_long(translator.tokenizer, line, translator.max_src_tokens) for line in lines]
     if isinstance(glossary, list):  # one per line: each piece takes its line's
         glossary = [g for g, pieces in zip(glossary, cut) for _ in pieces]
     pieces = [p for pieces in cut for p in pieces]
-    hyps = iter(translator.translate_lines(pieces, decode, progress, glossary))
+    hyps = iter(translator.translate_lines(pieces, decode, progress, glossary, alignments))
     sep = word_separator(translator.config.data.tgt_lang)
     return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]
+
+
+def translate_html(translator: Translator, document: str, decode: DecodeConfig) -> str:
+    """An HTML document (or fragment) translated: markup outside sentences (DOCTYPE, comments, CDATA, scripts,
+    styles, block tags) kept as it is, each sentence translated whole, and its inline elements put back around the
+    words aligned to their own (a model trained with guided alignment), else around the words that translate their
+    text (segment.place_marks)."""
+    segments = split_html(document, translator.config.data.src_lang)
+    by_links = translator.guided_alignment
+    marks = [] if by_links else segments.mark_texts()
+    hyps = translator.translate_nbest([*segments.pieces, *marks], decode, alignments=by_links)
+    best = [h[0] for h in hyps]
+    pieces, mark_translations = best[: len(segments.pieces)], [h.text for h in best[len(segments.pieces) :]]
+    links = [h.alignment for h in pieces] if by_links else None
+    return join(segments, [h.text for h in pieces], translator.config.data.tgt_lang, mark_translations, links)
+
+
+MAX_HTML_CHARS = 1 << 24  # one HTML document is read and translated whole
+
+
+def translate_html_source(
+    translator, decode: DecodeConfig, source: Source, input_file: Path | None, output_file: Path | None, force: bool
+):
+    """`mtcli translate --html`: each sentence given, or the whole of --input or stdin, as one HTML document
+    (translate.translate_html), to stdout or whole to `output_file`."""
+    if source.sentences is not None:
+        documents, ends = source.sentences, "\n"
+    elif input_file is not None:  # as it is, line ends and all (open_source checked it is UTF-8)
+        documents, ends = [Path(input_file).read_text(encoding="utf-8").removeprefix("\ufeff")], ""
+    else:
+        documents, ends = [sys.stdin.read(MAX_HTML_CHARS + 1)], ""
+    for document in documents:
+        if len(document) > MAX_HTML_CHARS:
+            raise MtcliError(f"--html: a document of over {MAX_HTML_CHARS:,} characters; cut it into smaller documents")
+    translated = [translate_html(translator, d, decode) + ends for d in documents]
+    if output_file is None:
+        sys.stdout.writelines(translated)
+        return
+    with new_file(output_file, force) as out:
+        out.writelines(translated)
 
 
 def load_translator(

@@ -45,7 +45,7 @@ class Trainer:
         )
         scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
         autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-        loss_model: nn.Module = LossModel(model, tc.label_smoothing, tc.rdrop)
+        loss_model: nn.Module = LossModel(model, tc.label_smoothing, tc.rdrop, tc.guided_alignment)
         if world > 1:
             ids = [device.index] if device.type == "cuda" else None
             loss_model = nn.parallel.DistributedDataParallel(loss_model, device_ids=ids)
@@ -75,7 +75,15 @@ def train_step(trainer: Trainer, batches: list[Batch], tgt_tokens: int, lr: floa
         accumulate_only = t.world > 1 and i < len(batches) - 1
         with t.loss_model.no_sync() if accumulate_only else contextlib.nullcontext():
             with t.autocast:
-                loss = t.loss_model(batch.src, batch.src_pad_mask, batch.tgt_in, batch.tgt_index, batch.labels)
+                loss = t.loss_model(
+                    batch.src,
+                    batch.src_pad_mask,
+                    batch.tgt_in,
+                    batch.tgt_index,
+                    batch.labels,
+                    batch.align_index,
+                    batch.align_weight,
+                )
             # DDP averages gradients over processes, hence * world: the result is the mean over all target tokens.
             t.scaler.scale(loss * (t.world / tgt_tokens)).backward()
         loss_sum += loss.detach()
