@@ -176,6 +176,15 @@ def piece_words(pieces: list[str], text: str) -> list[int]:
     return out
 
 
+def source_piece_words(pieces: list[str], line: str, prefix: str = "") -> list[int]:
+    """piece_words of a source line encoded after a prefix (`>>deu<<`, see Tokenizer.encode_src): the line's words
+    count from 0, the prefix's pieces get -1."""
+    if not prefix:
+        return piece_words(pieces, line)
+    skipped = len(words(prefix))
+    return [w - skipped if w >= skipped else -1 for w in piece_words(pieces, f"{prefix} {line}")]
+
+
 def piece_links(links: Links, src_words: list[int], tgt_words: list[int]) -> list[tuple[int, int]]:
     """Word links as links between the pieces of the linked words: every piece of source word i with every piece
     of target word j."""

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mtcli.align import piece_links, piece_words
+from mtcli.align import piece_links, piece_words, source_piece_words
 from mtcli.clean import ChunkFilter, clean_line, flatten
 from mtcli.config import DataConfig
-from mtcli.glossary import augmented_source, words
+from mtcli.glossary import augmented_source
 from mtcli.tokenizer import Tokenizer
 
 CHUNK = 10_000  # pairs a worker encodes at a time
@@ -111,14 +111,12 @@ def _encode(task: tuple[int, list, list, np.ndarray | None, list | None]) -> Enc
 def _piece_links(sources, targets, src_ids, tgt_ids, kept_ids, links, tokenizer, prefix: str) -> list[np.ndarray]:
     """data.alignments: each pair's word links (train.align) as links between its source and target pieces; a pair
     whose source got terms marked (data.terminology) has none (its words moved)."""
-    skipped = len(words(prefix)) if prefix else 0  # the prefix's words come before the line's
     out = []
     for source, target, s_ids, t_ids, kept, pair_links in zip(sources, targets, src_ids, tgt_ids, kept_ids, links):
         if kept is not s_ids or not pair_links:
             out.append(np.zeros((0, 2), np.uint16))
             continue
-        text = f"{prefix} {source}" if prefix else source
-        src_words = [w - skipped if w >= skipped else -1 for w in piece_words(tokenizer.src_pieces(s_ids), text)]
+        src_words = source_piece_words(tokenizer.src_pieces(s_ids), source, prefix)
         tgt_words = piece_words(tokenizer.tgt_pieces(t_ids), target)
         out.append(np.array(piece_links(pair_links, src_words, tgt_words), np.uint16).reshape(-1, 2))
     return out

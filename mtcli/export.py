@@ -282,7 +282,7 @@ def write_ctranslate2(
 
     class MtcliConverter(Converter):
         def _load(self):
-            return _ctranslate2_spec(model, tokenizer, ctranslate2)
+            return _ctranslate2_spec(model, tokenizer, ctranslate2, alignment_heads(config))
 
     # the converter empties its output folder first (force=True): a temporary folder, never the user's target
     MtcliConverter().convert(
@@ -315,14 +315,26 @@ def parity_translator(checkpoint: Path, config) -> Translator:
     return translator
 
 
-def _ctranslate2_spec(model, tokenizer, ctranslate2):
+def alignment_heads(config) -> int:
+    """The heads whose averaged attention aligns words: model.alignment_heads of a model trained with guided
+    alignment, else all of model.alignment_layer's (Translator.align's rule)."""
+    return config.model.alignment_heads if config.train.guided_alignment else config.model.heads
+
+
+def _ctranslate2_spec(model, tokenizer, ctranslate2, align_heads: int):
     from ctranslate2.specs import common_spec, transformer_spec
 
     c, specials = model.cfg, model.specials
     activations = {"gelu": "GELU", "relu": "RELU", "swish": "SWISH"}
     activation = getattr(common_spec.Activation, activations[c.activation])
     spec = transformer_spec.TransformerSpec.from_config(
-        (c.n_encoder_layers, c.n_decoder_layers), c.heads, pre_norm=c.norm == "pre", activation=activation
+        (c.n_encoder_layers, c.n_decoder_layers),
+        c.heads,
+        pre_norm=c.norm == "pre",
+        activation=activation,
+        # return_attention gives these heads' averaged attention: the export aligns words as mtcli does
+        alignment_layer=c.alignment_layer_index,
+        alignment_heads=align_heads,
     )
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     positions = _position_table(model).numpy()

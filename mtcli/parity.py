@@ -30,6 +30,9 @@ from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
+import numpy as np
+
+from mtcli.align import Links, piece_words, source_piece_words, word_links
 from mtcli.config import DecodeConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError, error_text
@@ -212,7 +215,15 @@ class CTranslate2Engine:
     def translate(self, lines: list[str], s: EngineSettings, beam: int) -> list[str]:
         """Each line after the source prefix, cut at max_src_tokens, translated; an empty line gives an empty
         translation without being decoded, as mtcli gives it."""
-        out = [""] * len(lines)
+        return [text for text, _ in self.translate_aligned(lines, s, beam, alignments=False)]
+
+    def translate_aligned(
+        self, lines: list[str], s: EngineSettings, beam: int, alignments: bool = True
+    ) -> list[tuple[str, Links | None]]:
+        """translate, with each translation's word links read from the attention CTranslate2 returns (the heads
+        the export declares, see export.alignment_heads), as Translator.align reads mtcli's: each target piece
+        linked to the source piece it attends to most, EOS aside."""
+        out: list[tuple[str, Links | None]] = [("", [] if alignments else None)] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         if not todo:
             return out
@@ -225,10 +236,19 @@ class CTranslate2Engine:
             min_decoding_length=s.min_len,
             max_decoding_length=s.max_len,
             no_repeat_ngram_size=s.no_repeat_ngram,
+            return_attention=alignments,
         )
-        texts = self.tokenizer.decode_tgt([[self.id_of[p] for p in r.hypotheses[0]] for r in found])
-        for i, text in zip(todo, texts):
-            out[i] = text
+        tokens = [[self.id_of[p] for p in r.hypotheses[0]] for r in found]
+        texts = self.tokenizer.decode_tgt(tokens)
+        for i, src_ids, output, text, result in zip(todo, ids, tokens, texts, found):
+            links = None
+            if alignments:
+                src_words = source_piece_words(self.tokenizer.src_pieces(src_ids), lines[i], self.prefix)
+                attention = np.asarray(result.attention[0], dtype=np.float32).reshape(len(output), -1)
+                best = attention[:, : len(src_ids)].argmax(1).tolist() if len(src_ids) else []
+                tgt_words = piece_words(self.tokenizer.tgt_pieces(output), text)
+                links = word_links(list(zip(best, range(len(output)))), src_words, tgt_words)
+            out[i] = (text, links)
         return out
 
 
@@ -291,10 +311,19 @@ def parity_report(translator, engine, target: str, precision: str, probe: Probe,
     logger.info(f"parity: translating {counted(len(probe.sources), 'probe line')} {passes} times ({searches})")
     timed = _PassTimer(passes, len(probe.sources))
     rows = []
+    alignments = None
     for beam in (1, settings.beam):
         mode = "greedy" if beam == 1 else f"beam {beam}"
-        ours = timed(f"mtcli {mode}", translator.translate, probe.sources, mtcli_decode(decode, settings, beam))
-        theirs = timed(f"{target} {mode}", engine.translate, probe.sources, settings, beam)
+        if beam == 1 and hasattr(engine, "translate_aligned"):  # the greedy pass compares word alignments too
+            found = timed(
+                f"mtcli {mode}", aligned_translations, translator, probe.sources, mtcli_decode(decode, settings, 1)
+            )
+            pairs = timed(f"{target} {mode}", engine.translate_aligned, probe.sources, settings, 1)
+            ours, theirs = [t for t, _ in found], [t for t, _ in pairs]
+            alignments = compare_alignments(found, pairs, translator)
+        else:
+            ours = timed(f"mtcli {mode}", translator.translate, probe.sources, mtcli_decode(decode, settings, beam))
+            theirs = timed(f"{target} {mode}", engine.translate, probe.sources, settings, beam)
         rows.append(compare(mode, ours, theirs, probe, tgt_lang, translator.tokenizer))
         if beam > 1 and own_search:
             own_decode = replace(decode, beam=beam, nbest=1, sampling=False)
@@ -312,10 +341,37 @@ def parity_report(translator, engine, target: str, precision: str, probe: Probe,
         "rows": [asdict(r) | {"identical_rate": r.identical_rate} for r in rows],
     }
     report["failures"] = failures(rows, precision)
+    if alignments is not None:
+        report["alignments"] = alignments
+        if precision == FLOAT32 and alignments["links"] and alignments["identical_rate"] < 0.95:
+            report["failures"].append(f"alignments: {100 * alignments['identical_rate']:.1f}% of links identical")
     if glossary is not None:
         report["glossary"] = glossary_probe(translator, engine, settings, probe, glossary, timed)
         report["failures"] += glossary_failures(report["glossary"], precision)
     return report
+
+
+def aligned_translations(translator, lines: list[str], decode) -> list[tuple[str, Links]]:
+    """mtcli's best translation of each line with its word links (Translator.align)."""
+    return [(h[0].text, h[0].alignment) for h in translator.translate_nbest(lines, decode, alignments=True)]
+
+
+def compare_alignments(ours: list[tuple[str, Links]], theirs: list[tuple[str, Links]], translator) -> dict:
+    """The alignments row of a parity report: on the lines both translate identically (greedy), how many of the
+    word links either side gives both give. The engine aligns with the layer and heads the export declares."""
+    same = [(a, b) for (text, a), (other, b) in zip(ours, theirs) if text and text == other]
+    union = sum(len(set(a) | set(b or [])) for a, b in same)
+    common = sum(len(set(a) & set(b or [])) for a, b in same)
+    model = translator.config.model
+    return {
+        "lines": len(same),
+        "links": union,
+        "identical_links": common,
+        "identical_rate": common / union if union else 1.0,
+        "layer": model.alignment_layer_index,
+        "heads": model.alignment_heads if translator.guided_alignment else model.heads,
+        "guided": translator.guided_alignment,
+    }
 
 
 def glossary_probe(translator, engine, settings: EngineSettings, probe: Probe, glossary, timed=None) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtcli.align import Links, piece_words, word_links
+from mtcli.align import Links, piece_words, source_piece_words, word_links
 from mtcli.batching import collate, translation_batches
 from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
@@ -241,13 +241,10 @@ class Translator:
         weights.scatter_(2, eos[:, None, None].expand(-1, weights.shape[1], 1), -1.0)  # never picked (padding is 0)
         best = weights.argmax(-1).cpu()
         prefix = self.config.source_prefix(decode)
-        skipped = len(words(prefix)) if prefix else 0
         src_words = {}
         for row, (i, h) in enumerate(flat):
             if i not in src_words:
-                text = f"{prefix} {lines[i]}" if prefix else lines[i]
-                pieces = piece_words(self.tokenizer.src_pieces(src_ids[i]), text)
-                src_words[i] = [w - skipped if w >= skipped else -1 for w in pieces]
+                src_words[i] = source_piece_words(self.tokenizer.src_pieces(src_ids[i]), lines[i], prefix)
             n_src = len(src_ids[i])
             h.source_words = len(words(lines[i]))
             if not h.tokens or not n_src:

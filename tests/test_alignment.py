@@ -5,6 +5,7 @@ of a toy model trained with guided alignment, and HTML inline tags put back by t
 from __future__ import annotations
 
 import html
+import json
 import time
 from html.parser import HTMLParser
 
@@ -326,3 +327,22 @@ def test_the_server_returns_alignments_and_places_html_tags_by_them(aligned_run)
         assert code == 200 and body["translatedText"] == "<p>我喜欢<b>苹果</b></p>", body
     finally:
         assert srv.stop() == 0
+
+
+@pytest.mark.model
+def test_the_ctranslate2_export_aligns_as_mtcli_does(aligned_run, tmp_path):
+    pytest.importorskip("ctranslate2", reason="the export extra is not installed")
+    from mtcli.parity import CTranslate2Engine, EngineSettings
+    from mtcli.translate import Translator
+
+    out = tmp_path / "ct2"
+    invoke("export", "--run", aligned_run, "--format", "ctranslate2", "--out", out, "--probe-lines", "40")
+    row = json.loads((out / "parity.json").read_text())["alignments"]
+    assert row["guided"] and row["heads"] == 1 and row["lines"] >= 40
+    assert row["identical_links"] == row["links"] > 100  # float32: every link the same
+    engine = CTranslate2Engine(out)
+    settings = EngineSettings(beam=1, lenpen=0.0, min_len=1, max_len=100, no_repeat_ngram=0, early_stopping=False)
+    lines = ["I love apples", "Do you like green tea?"]
+    translator = Translator.from_run(aligned_run, device="cpu", precision="fp32")
+    ours = [(h[0].text, h[0].alignment) for h in translator.translate_nbest(lines, beam=1, alignments=True)]
+    assert engine.translate_aligned(lines, settings, 1) == ours

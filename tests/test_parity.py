@@ -96,8 +96,8 @@ def test_an_export_whose_outputs_collapse_is_refused_and_leaves_nothing(toy_run,
 
     original = export._ctranslate2_spec
 
-    def broken(model, tokenizer, ctranslate2):
-        spec = original(model, tokenizer, ctranslate2)
+    def broken(model, tokenizer, ctranslate2, align_heads):
+        spec = original(model, tokenizer, ctranslate2, align_heads)
         bias = torch.zeros(tokenizer.tgt_vocab_size)
         bias[10] = 50.0  # one ordinary subword outscores every other at every step
         spec.decoder.projection.bias = bias.numpy()
