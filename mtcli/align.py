@@ -146,61 +146,67 @@ def align_split(source, out_path: Path, chunk: int = ALIGN_CHUNK) -> dict:
 # Words and subwords: links between words carried to the pieces that spell them, and back
 
 
-def piece_words(pieces: list[str], text: str) -> list[int]:
-    """The index of the word (glossary.words of `text`) each SentencePiece piece spells, -1 for none (a lone "▁").
-    Pieces are walked along the text one non-space character at a time, so a piece's word is that of its first
-    character; a byte-fallback piece (<0xE4>) counts one character for the first byte of each UTF-8 character.
-    Normalization that changes a text's length (NFKC's "ﬁ" -> "fi") can shift later pieces by a word, never more
-    than the text holds."""
+def piece_words(pieces: list[str], text: str) -> list[list[int]]:
+    """The words (glossary.words of `text`, by index) each SentencePiece piece spells: usually one, none for a lone
+    "▁", several for a piece that spans them (苹果: two Chinese words of one character; "Mann." a word and a mark).
+    Pieces are walked along the text one non-space character at a time; a byte-fallback piece (<0xE4>) counts one
+    character at the first byte of each UTF-8 character, its continuation bytes belong to that character's word.
+    Normalization that changes a text's length (NFKC's "ﬁ" -> "fi") can shift later pieces by a word, never past
+    the text."""
     owner = [-1] * len(text)
     for w, (start, end, _) in enumerate(words(text)):
         owner[start:end] = [w] * (end - start)
-    out, pos = [], 0
+    out: list[list[int]] = []
+    pos = 0
     for piece in pieces:
         if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
             byte = int(piece[3:5], 16)
             if 0x80 <= byte < 0xC0:  # a continuation byte: the character its first byte began
-                out.append(out[-1] if out else -1)
+                out.append(out[-1][-1:] if out else [])
                 continue
             chars = 1
         else:
             chars = sum(not c.isspace() for c in piece.replace("▁", " "))
-        word = -1
+        spelled: list[int] = []
         for _ in range(chars):
             while pos < len(text) and text[pos].isspace():
                 pos += 1
             if pos < len(text):
-                word = owner[pos] if word < 0 else word
+                if owner[pos] >= 0 and owner[pos] not in spelled:
+                    spelled.append(owner[pos])
                 pos += 1
-        out.append(word)
+        out.append(spelled)
     return out
 
 
-def source_piece_words(pieces: list[str], line: str, prefix: str = "") -> list[int]:
+def source_piece_words(pieces: list[str], line: str, prefix: str = "") -> list[list[int]]:
     """piece_words of a source line encoded after a prefix (`>>deu<<`, see Tokenizer.encode_src): the line's words
-    count from 0, the prefix's pieces get -1."""
+    count from 0, the prefix's are left out."""
     if not prefix:
         return piece_words(pieces, line)
     skipped = len(words(prefix))
-    return [w - skipped if w >= skipped else -1 for w in piece_words(pieces, f"{prefix} {line}")]
+    return [[w - skipped for w in spelled if w >= skipped] for spelled in piece_words(pieces, f"{prefix} {line}")]
 
 
-def piece_links(links: Links, src_words: list[int], tgt_words: list[int]) -> list[tuple[int, int]]:
-    """Word links as links between the pieces of the linked words: every piece of source word i with every piece
-    of target word j."""
+def piece_links(links: Links, src_words: list[list[int]], tgt_words: list[list[int]]) -> list[tuple[int, int]]:
+    """Word links as links between the pieces of the linked words: every piece that spells source word i with every
+    piece that spells target word j (once, however many of their words are linked)."""
     src_pieces: dict[int, list[int]] = {}
     tgt_pieces: dict[int, list[int]] = {}
-    for p, w in enumerate(src_words):
-        src_pieces.setdefault(w, []).append(p)
-    for q, w in enumerate(tgt_words):
-        tgt_pieces.setdefault(w, []).append(q)
-    return [(p, q) for i, j in links for p in src_pieces.get(i, ()) for q in tgt_pieces.get(j, ())]
-
-
-def word_links(piece_pairs, src_words: list[int], tgt_words: list[int]) -> Links:
-    """Links between pieces (source piece, target piece) as sorted, distinct links between the words they spell."""
-    found = {(src_words[p], tgt_words[q]) for p, q in piece_pairs if src_words[p] >= 0 and tgt_words[q] >= 0}
+    for p, spelled in enumerate(src_words):
+        for w in spelled:
+            src_pieces.setdefault(w, []).append(p)
+    for q, spelled in enumerate(tgt_words):
+        for w in spelled:
+            tgt_pieces.setdefault(w, []).append(q)
+    found = {(p, q) for i, j in links for p in src_pieces.get(i, ()) for q in tgt_pieces.get(j, ())}
     return sorted(found)
+
+
+def word_links(piece_pairs, src_words: list[list[int]], tgt_words: list[list[int]]) -> Links:
+    """Links between pieces (source piece, target piece) as sorted, distinct links between the words they spell
+    (every word of the one with every word of the other)."""
+    return sorted({(i, j) for p, q in piece_pairs for i in src_words[p] for j in tgt_words[q]})
 
 
 def read_alignments(path: Path) -> Iterator[Links]:

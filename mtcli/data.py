@@ -38,6 +38,7 @@ from mtcli.outputs import publish_folder, remove_stale
 from mtcli.tokenizer import Tokenizer, character_coverage, train_sentencepiece
 
 CACHE_VERSION = 1
+LINKS_VERSION = 2  # bump when the piece links of data.alignments change (encode._piece_links, align.piece_words)
 DTYPES = ("uint16", "int32")  # of the cached ids: uint16 while the vocabulary fits
 EVAL_ROLES = ("valid", "test")
 TRAIN_TIME_SETTINGS = ("cache_dir", "sampling_alpha", "sampling_nbest", "workers")  # never change the cached content
@@ -71,6 +72,8 @@ def cache_key(cfg: DataConfig) -> dict:
         key["train_corpora"] = corpora_fingerprint(cfg)
     if cfg.terminology or cfg.alignments:  # how terms are drawn and marked, links carried to pieces, the aligner
         key["terminology"] = {"version": TERMINOLOGY_VERSION, "eflomal": eflomal_version()}
+    if cfg.alignments:
+        key["alignments"] = LINKS_VERSION
     if cfg.clean.langid:  # another model may name other languages
         key["py3langid"] = langid_version(cfg)
     if cfg.tokenizer:  # the vocabulary's content, not only its folder's name

@@ -180,6 +180,11 @@ class Translator:
         glossary = glossary if glossary is not None else self.glossary
         terms = self.glossary_terms(lines, decode, glossary)
         if glossary is not None and decode.constraints == "soft":
+            if alignments:  # the model reads the marked line: its words are not the user's
+                raise MtcliError(
+                    "alignments with decode.constraints soft: the source the model reads holds marked terms, so its "
+                    "words are not the line's; use decode.constraints hard or off"
+                )
             lines = self.marked_lines(lines, glossary)
         ids = self.source_ids(lines, decode)
         n_truncated = sum(len(x) > self.max_src_tokens or c for x, c in zip(ids, cut))
@@ -434,19 +439,26 @@ def translate_long_lines(translator, lines: list[str], decode, progress=False, g
     return [combine_nbest([next(hyps) for _ in pieces], sep.join) for pieces in cut]
 
 
-def translate_html(translator: Translator, document: str, decode: DecodeConfig) -> str:
-    """An HTML document (or fragment) translated: markup outside sentences (DOCTYPE, comments, CDATA, scripts,
-    styles, block tags) kept as it is, each sentence translated whole, and its inline elements put back around the
-    words aligned to their own (a model trained with guided alignment), else around the words that translate their
-    text (segment.place_marks)."""
-    segments = split_html(document, translator.config.data.src_lang)
-    by_links = translator.guided_alignment
-    marks = [] if by_links else segments.mark_texts()
-    hyps = translator.translate_nbest([*segments.pieces, *marks], decode, alignments=by_links)
-    best = [h[0] for h in hyps]
-    pieces, mark_translations = best[: len(segments.pieces)], [h.text for h in best[len(segments.pieces) :]]
-    links = [h.alignment for h in pieces] if by_links else None
-    return join(segments, [h.text for h in pieces], translator.config.data.tgt_lang, mark_translations, links)
+def translate_html(
+    translator: Translator, documents: list[str], decode: DecodeConfig, by_links: bool | None = None
+) -> list[str]:
+    """HTML documents (or fragments) translated, their sentences in one batch: markup outside sentences (DOCTYPE,
+    comments, CDATA, scripts, styles, block tags) kept as it is, each sentence translated whole, and its inline
+    elements put back around the words aligned to their own (`by_links`; default: for a model trained with guided
+    alignment), else around the words that translate their own text (segment.place_marks)."""
+    by_links = translator.guided_alignment if by_links is None else by_links
+    src_lang, tgt_lang = translator.config.data.src_lang, translator.config.data.tgt_lang
+    segments = [split_html(document, src_lang) for document in documents]
+    marks = [[] if by_links else s.mark_texts() for s in segments]
+    sentences = [text for s, m in zip(segments, marks) for text in [*s.pieces, *m]]
+    best = iter([h[0] for h in translator.translate_nbest(sentences, decode, alignments=by_links)])
+    out = []
+    for s, m in zip(segments, marks):
+        pieces = [next(best) for _ in s.pieces]
+        mark_translations = [next(best).text for _ in m]
+        links = [h.alignment for h in pieces] if by_links else None
+        out.append(join(s, [h.text for h in pieces], tgt_lang, mark_translations, links))
+    return out
 
 
 MAX_HTML_CHARS = 1 << 24  # one HTML document is read and translated whole
@@ -466,7 +478,7 @@ def translate_html_source(
     for document in documents:
         if len(document) > MAX_HTML_CHARS:
             raise MtcliError(f"--html: a document of over {MAX_HTML_CHARS:,} characters; cut it into smaller documents")
-    translated = [translate_html(translator, d, decode) + ends for d in documents]
+    translated = [d + ends for d in translate_html(translator, documents, decode)]
     if output_file is None:
         sys.stdout.writelines(translated)
         return
