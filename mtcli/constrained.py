@@ -101,6 +101,7 @@ def constrained_beam_search(
     length_norm: str = "gnmt",
     early_stopping: bool = False,
     piece_text: list[str] | None = None,
+    memory: torch.Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search in which each sentence's output contains every term of `terms[i]` (lists of target subword ids)
     that fits its length limit (terms are kept in order while their tokens fit). Returns the `nbest` best
@@ -115,7 +116,7 @@ def constrained_beam_search(
     # can finish only once every term is written, so waiting for k of them kept it searching ~3x as many steps
     # (docs/benchmarks.md); it still ends only when no live hypothesis can beat them.
     wanted = [nbest if sentence else max(k, nbest) for sentence in terms]
-    memory = model.encode(src, src_pad_mask)
+    memory = model.encode(src, src_pad_mask) if memory is None else memory
     max_total = int(max_lens.max())
     cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
     sentences = list(range(B))  # sentence index of each batch entry still searching

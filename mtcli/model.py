@@ -64,18 +64,22 @@ class DecoderLayer(nn.Module):
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(cfg.d_model) for _ in range(3))
         self.dropout = Dropout(cfg.dropout)
 
-    def forward(self, x, memory, mask, cache=None, start: int = 0, align_heads: int = 0):
+    def forward(self, x, memory, mask, cache=None, start: int = 0, align_heads: int = 0, weights_only: bool = False):
         """Returns the layer's output and, with align_heads, its cross-attention's alignment weights (N, T, S) (else
-        None): CrossAttention.alignment_weights of the first align_heads heads."""
+        None): CrossAttention.alignment_weights of the first align_heads heads, from the cross-attention's input.
+        weights_only: the weights alone (the output is None), without the cross-attention and feed-forward."""
         if self.pre_norm:
             x = self.dropout.residual(x, self.self_attn(self.norm1(x), causal=True, cache=cache, start=start))
             h = self.norm2(x)
-            x = self.dropout.residual(x, self.cross_attn(h, memory, mask, cache=cache))
-            weights = self.cross_attn.alignment_weights(h, memory, mask, align_heads, cache) if align_heads else None
-            return self.dropout.residual(x, self.ffn(self.norm3(x))), weights
-        h = self.norm1(self.dropout.residual(x, self.self_attn(x, causal=True, cache=cache, start=start)))
-        x = self.norm2(self.dropout.residual(h, self.cross_attn(h, memory, mask, cache=cache)))
+        else:
+            h = x = self.norm1(self.dropout.residual(x, self.self_attn(x, causal=True, cache=cache, start=start)))
         weights = self.cross_attn.alignment_weights(h, memory, mask, align_heads, cache) if align_heads else None
+        if weights_only:
+            return None, weights
+        if self.pre_norm:
+            x = self.dropout.residual(x, self.cross_attn(h, memory, mask, cache=cache))
+            return self.dropout.residual(x, self.ffn(self.norm3(x))), weights
+        x = self.norm2(self.dropout.residual(x, self.cross_attn(h, memory, mask, cache=cache)))
         return self.norm3(self.dropout.residual(x, self.ffn(x))), weights
 
 
@@ -203,18 +207,16 @@ class Transformer(nn.Module):
         mask = self.attention_mask(src_pad_mask)
         x = self._embed(self.tgt_embed, tgt, start)
         align_layer, weights = self.cfg.alignment_layer_index, None
+        stop_at_alignment = stop_at_alignment and cache is None
         for i, layer in enumerate(self.decoder):
+            here = i == align_layer
+            layer_cache = cache.layers[i] if cache is not None else None
             x, layer_weights = layer(
-                x,
-                memory,
-                mask,
-                cache.layers[i] if cache is not None else None,
-                start,
-                align_heads if i == align_layer else 0,
+                x, memory, mask, layer_cache, start, align_heads if here else 0, here and stop_at_alignment
             )
-            if i == align_layer:
+            if here:
                 weights = layer_weights
-                if stop_at_alignment and cache is None:
+                if stop_at_alignment:
                     return None, weights
         if cache is not None:
             cache.length += tgt.shape[1]

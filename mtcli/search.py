@@ -74,11 +74,17 @@ def step_log_probs(
 
 @torch.inference_mode()
 def greedy_search(
-    model, src: torch.Tensor, src_pad_mask: torch.Tensor, max_lens: torch.Tensor, min_len: int = 1
+    model,
+    src: torch.Tensor,
+    src_pad_mask: torch.Tensor,
+    max_lens: torch.Tensor,
+    min_len: int = 1,
+    memory: torch.Tensor | None = None,
 ) -> list[Hypothesis]:
-    """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability)."""
+    """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability).
+    `memory`: the encoder's output for `src`, when the caller has it already (every search takes it)."""
     B, device, eos = src.shape[0], src.device, model.specials.eos
-    memory = model.encode(src, src_pad_mask)
+    memory = model.encode(src, src_pad_mask) if memory is None else memory
     cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
     active = torch.arange(B, device=device)  # sentence index of each row
     tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
@@ -119,6 +125,7 @@ def beam_search(
     no_repeat_ngram: int = 0,
     length_norm: str = "gnmt",
     early_stopping: bool = False,
+    memory: torch.Tensor | None = None,
 ) -> list[list[Hypothesis]]:
     """Beam search; returns the `nbest` best hypotheses per sentence, best first.
 
@@ -135,7 +142,7 @@ def beam_search(
     B, k, device, eos = src.shape[0], beam_size, src.device, model.specials.eos
     wanted = max(k, nbest)  # finished hypotheses a sentence waits for
     # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
-    memory = model.encode(src, src_pad_mask)
+    memory = model.encode(src, src_pad_mask) if memory is None else memory
     max_total = int(max_lens.max())
     cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
     sentences = torch.arange(B, device=device)  # sentence index of each batch entry still searching
@@ -272,10 +279,11 @@ def sample(
     top_p: float = 1.0,
     min_len: int = 1,
     generator: torch.Generator | None = None,
+    memory: torch.Tensor | None = None,
 ) -> list[Hypothesis]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""
     B, device, (pad, eos) = src.shape[0], src.device, (model.specials.pad, model.specials.eos)
-    memory = model.encode(src, src_pad_mask)
+    memory = model.encode(src, src_pad_mask) if memory is None else memory
     cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
     tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]

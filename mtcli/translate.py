@@ -202,9 +202,9 @@ class Translator:
         for batch in translation_batches(lengths, decode.batch_tokens, decode.batch_sentences):
             batch = todo[batch]
             batch_terms = [terms[i] for i in batch] if terms else None
-            found = self._search([ids[i] for i in batch], decode, batch_terms)
-            if alignments:
-                self.align([ids[i] for i in batch], [lines[i] for i in batch], found, decode)
+            found = self._search(
+                [ids[i] for i in batch], decode, batch_terms, [lines[i] for i in batch] if alignments else None
+            )
             for i, hyps in zip(batch, found):
                 results[i] = hyps
             bar.update(len(batch))
@@ -227,11 +227,14 @@ class Translator:
             )
 
     @torch.inference_mode()
-    def align(self, src_ids: list[list[int]], lines: list[str], hyps: list[list[Translation]], decode) -> None:
+    def align(
+        self, src_ids: list[list[int]], lines: list[str], hyps: list[list[Translation]], decode, memory=None
+    ) -> None:
         """Set each translation's word alignment: the decoder reads the source and the translation once more (as
         training does, up to model.alignment_layer only), and each target piece is linked to the source piece its
         alignment heads attend to most (EOS aside); links between pieces become links between the words they spell.
-        The heads are model.alignment_heads of a model trained with guided alignment, else all of the layer's."""
+        The heads are model.alignment_heads of a model trained with guided alignment, else all of the layer's.
+        `memory`: the search's encoder output for src_ids, in their order (else the source is encoded again)."""
         model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
         cfg = model.cfg
         heads = cfg.alignment_heads if self.guided_alignment else cfg.heads
@@ -240,7 +243,11 @@ class Translator:
             return
         batch = collate([src_ids[i] for i, _ in flat], [h.tokens for _, h in flat], specials=model.specials)
         batch = batch.to(self.device)
-        memory = model.encode(batch.src, batch.src_pad_mask)
+        if memory is None:
+            memory = model.encode(batch.src, batch.src_pad_mask)
+        else:  # one row per translation (n-best lists repeat their sentence), the first member's part of an ensemble's
+            rows = torch.tensor([i for i, _ in flat], device=memory.device)
+            memory = memory[..., : cfg.d_model].index_select(0, rows)[:, : batch.src.shape[1]]
         weights = model.decode_aligned(batch.tgt_in, memory, batch.src_pad_mask, None, heads, True)[1]
         eos = torch.tensor([len(src_ids[i]) for i, _ in flat], device=weights.device)  # each row's EOS column
         weights.scatter_(2, eos[:, None, None].expand(-1, weights.shape[1], 1), -1.0)  # never picked (padding is 0)
@@ -343,11 +350,18 @@ class Translator:
                 )
 
     def _search(
-        self, src_ids: list[list[int]], decode: DecodeConfig, terms: list[list[list[int]]] | None = None
+        self,
+        src_ids: list[list[int]],
+        decode: DecodeConfig,
+        terms: list[list[list[int]]] | None = None,
+        lines: list[str] | None = None,
     ) -> list[list[Translation]]:
+        """The n-best lists of one model batch; with `lines` (the sources' text), their word alignments too."""
         batch = collate(src_ids, specials=self.model.specials).to(self.device)
         lengths = torch.tensor([len(x) for x in src_ids])
         max_lens = max_output_lengths(lengths, decode.max_len_a, decode.max_len_b, self.config.model.max_positions)
+        with torch.inference_mode():  # once for the search and the alignments
+            memory = self.model.encode(batch.src, batch.src_pad_mask)
         args = (self.model, batch.src, batch.src_pad_mask, max_lens.to(self.device))
         if terms is not None and any(terms):
             d = decode
@@ -362,22 +376,34 @@ class Translator:
                 d.length_norm,
                 d.early_stopping,
                 self.piece_texts(),
+                memory=memory,
             )
         elif decode.sampling:
             if self.generator is None:  # one stream for the whole session: a line's sample must not depend on batching
                 self.generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
             d = decode
-            found = sample(*args, d.temperature, d.top_k, d.top_p, d.min_len, self.generator)
+            found = sample(*args, d.temperature, d.top_k, d.top_p, d.min_len, self.generator, memory=memory)
             hyps = [[h] for h in found]
         elif decode.beam == 1 and not decode.no_repeat_ngram:  # beam 1 is greedy; the n-gram ban lives in beam search
-            hyps = [[h] for h in greedy_search(*args, decode.min_len)]
+            hyps = [[h] for h in greedy_search(*args, decode.min_len, memory=memory)]
         else:
             d = decode
             hyps = beam_search(
-                *args, d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram, d.length_norm, d.early_stopping
+                *args,
+                d.beam,
+                d.lenpen,
+                d.min_len,
+                d.nbest,
+                d.no_repeat_ngram,
+                d.length_norm,
+                d.early_stopping,
+                memory=memory,
             )
         texts = iter(self.tokenizer.decode_tgt([h.tokens for sentence in hyps for h in sentence]))
-        return [[Translation(next(texts), h.score, h.log_prob, h.tokens) for h in sentence] for sentence in hyps]
+        found = [[Translation(next(texts), h.score, h.log_prob, h.tokens) for h in sentence] for sentence in hyps]
+        if lines is not None:
+            self.align(src_ids, lines, found, decode, memory)
+        return found
 
 
 # ---------------------------------------------------------------------------------------------------------------------
