@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from mtcli.align import Links, piece_words, source_piece_words, word_links
+from mtcli.align import Links, attention_links, piece_words, source_piece_words, word_links
 from mtcli.config import DecodeConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError, error_text
@@ -41,7 +41,7 @@ from mtcli.line_io import read_lines
 from mtcli.log import counted, format_duration, logger
 from mtcli.outputs import MANIFEST, files_under
 from mtcli.scoring import score
-from mtcli.tokenizer import Tokenizer
+from mtcli.tokenizer import Tokenizer, word_separator
 
 PROBE_LINES = 500  # lines of the valid split in a probe: enough to see a 1% difference, seconds to translate
 REPEAT_TIMES = 4  # an output "repeats" when some 1-4 subword n-gram occurs this many times in a row
@@ -211,6 +211,9 @@ class CTranslate2Engine:
         self.prefix, self.max_src_tokens = prefix, max_src_tokens
         pieces = self.tokenizer.tgt_pieces(range(self.tokenizer.tgt_vocab_size))
         self.id_of = {p: i for i, p in enumerate(pieces)}
+        meta = folder / "mtcli.json"  # the export's languages: alignments read as mtcli reads them for the target
+        tgt_lang = json.loads(meta.read_text(encoding="utf-8")).get("tgt_lang", "") if meta.is_file() else ""
+        self.one_to_many = word_separator(tgt_lang) == "" if tgt_lang else False
 
     def translate(self, lines: list[str], s: EngineSettings, beam: int) -> list[str]:
         """Each line after the source prefix, cut at max_src_tokens, translated; an empty line gives an empty
@@ -221,8 +224,7 @@ class CTranslate2Engine:
         self, lines: list[str], s: EngineSettings, beam: int, alignments: bool = True
     ) -> list[tuple[str, Links | None]]:
         """translate, with each translation's word links read from the attention CTranslate2 returns (the heads
-        the export declares, see export.alignment_heads), as Translator.align reads mtcli's: each target piece
-        linked to the source piece it attends to most, EOS aside."""
+        the export declares, see export.alignment_heads), as Translator.align reads mtcli's (align.attention_links)."""
         out: list[tuple[str, Links | None]] = [("", [] if alignments else None)] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         if not todo:
@@ -245,9 +247,9 @@ class CTranslate2Engine:
             if alignments:
                 src_words = source_piece_words(self.tokenizer.src_pieces(src_ids), lines[i], self.prefix)
                 attention = np.asarray(result.attention[0], dtype=np.float32).reshape(len(output), -1)
-                best = attention[:, : len(src_ids)].argmax(1).tolist() if len(src_ids) else []
+                pairs = attention_links(attention[:, : len(src_ids)], self.one_to_many)  # the source's EOS aside
                 tgt_words = piece_words(self.tokenizer.tgt_pieces(output), text)
-                links = word_links(list(zip(best, range(len(output)))), src_words, tgt_words)
+                links = word_links(pairs, src_words, tgt_words)
             out[i] = (text, links)
         return out
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtcli.align import Links, piece_words, source_piece_words, word_links
+from mtcli.align import Links, attention_links, piece_words, source_piece_words, word_links
 from mtcli.batching import collate, translation_batches
 from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
@@ -231,9 +231,10 @@ class Translator:
         self, src_ids: list[list[int]], lines: list[str], hyps: list[list[Translation]], decode, memory=None
     ) -> None:
         """Set each translation's word alignment: the decoder reads the source and the translation once more (as
-        training does, up to model.alignment_layer only), and each target piece is linked to the source piece its
-        alignment heads attend to most (EOS aside); links between pieces become links between the words they spell.
-        The heads are model.alignment_heads of a model trained with guided alignment, else all of the layer's.
+        training does, up to model.alignment_layer only), and a target piece is linked to a source piece where each
+        is the other's most attended (align.attention_links; EOS aside); links between pieces become links between the
+        words they spell. The heads are model.alignment_heads of a model trained with guided alignment, else all
+        of the layer's.
         `memory`: the search's encoder output for src_ids, in their order (else the source is encoded again)."""
         model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
         cfg = model.cfg
@@ -249,20 +250,16 @@ class Translator:
             rows = torch.tensor([i for i, _ in flat], device=memory.device)
             memory = memory[..., : cfg.d_model].index_select(0, rows)[:, : batch.src.shape[1]]
         weights = model.decode_aligned(batch.tgt_in, memory, batch.src_pad_mask, None, heads, True)[1]
-        eos = torch.tensor([len(src_ids[i]) for i, _ in flat], device=weights.device)  # each row's EOS column
-        weights.scatter_(2, eos[:, None, None].expand(-1, weights.shape[1], 1), -1.0)  # never picked (padding is 0)
-        best = weights.argmax(-1).cpu()
+        weights = weights.float().cpu().numpy()
+        one_to_many = word_separator(self.config.data.tgt_lang) == ""  # Chinese, Japanese: a word is a character
         prefix = self.config.source_prefix(decode)
         src_words = {}
         for row, (i, h) in enumerate(flat):
             if i not in src_words:
                 src_words[i] = source_piece_words(self.tokenizer.src_pieces(src_ids[i]), lines[i], prefix)
-            n_src = len(src_ids[i])
             h.source_words = len(words(lines[i]))
-            if not h.tokens or not n_src:
-                h.alignment = []
-                continue
-            pairs = list(zip(best[row, : len(h.tokens)].tolist(), range(len(h.tokens))))
+            # the rows that write the output's pieces, the columns of the source's pieces (EOS and padding aside)
+            pairs = attention_links(weights[row, : len(h.tokens), : len(src_ids[i])], one_to_many)
             tgt_words = piece_words(self.tokenizer.tgt_pieces(h.tokens), h.text)
             h.alignment = word_links(pairs, src_words[i], tgt_words)
 

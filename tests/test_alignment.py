@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import invoke, losses, train_toy, training_fixture
 
-from mtcli.align import piece_links, piece_words, source_piece_words, word_links
+from mtcli.align import attention_links, piece_links, piece_words, source_piece_words, word_links
 from mtcli.batching import collate
 from mtcli.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from mtcli.loss import LossModel, guided_alignment_loss
@@ -42,6 +42,20 @@ def test_word_links_become_piece_links_and_back():
     pairs = piece_links([(0, 1), (1, 0), (1, 2)], src_words, tgt_words)
     assert pairs == [(0, 2), (1, 0), (1, 1), (1, 2), (2, 0), (2, 1), (2, 2)]
     assert word_links(pairs + [(3, 3)], src_words, tgt_words) == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+
+
+def test_links_are_read_from_attention_in_both_directions():
+    attention = np.array(
+        [  # target pieces x source pieces
+            [0.8, 0.1, 0.1],
+            [0.1, 0.6, 0.3],  # source piece 1 is attended most by target piece 2, not by this one
+            [0.0, 0.7, 0.3],
+            [0.2, 0.5, 0.3],
+        ]
+    )
+    assert attention_links(attention) == [(0, 0), (1, 2)]  # each the other's best
+    assert attention_links(attention, one_to_many=True) == [(0, 0), (1, 1), (1, 2), (1, 3)]
+    assert attention_links(np.zeros((0, 3))) == []
 
 
 def test_guided_alignment_targets_sum_to_one_per_aligned_target_and_link_eos():
