@@ -307,8 +307,8 @@ def test_a_full_disk_while_translating_to_a_file_is_one_line_and_the_file_is_kep
     out.write_text("yesterday's translations\n")
     write = mtcli.line_io.write_translations
 
-    def disk_full(translator, chunks, decode, handle, total):
-        write(translator, chunks, decode, handle, total)
+    def disk_full(translator, chunks, decode, handle, total, alignments=False):
+        write(translator, chunks, decode, handle, total, alignments)
         raise OSError(errno.ENOSPC, "No space left on device")  # as a write or flush past the last free block
 
     monkeypatch.setattr(mtcli.line_io, "write_translations", disk_full)
