@@ -18,6 +18,7 @@ the pieces' places. Runs with no letter in them (numbers, emoji, punctuation) st
 
 from __future__ import annotations
 
+import bisect
 import html
 import re
 from collections.abc import Iterator
@@ -300,7 +301,7 @@ def _place(text, source, marks, bounds, source_bounds, translated, no_spaces) ->
             region = _find(text, part, bounds, taken) or _relative_position(mark, source_bounds, bounds)
             region = _whole_words(text, region, bounds, no_spaces)
         region = _free(region, taken, bounds)
-        taken.append(region)
+        bisect.insort(taken, region)
         children = _place(text, source, mark.children, region, (mark.start, mark.end), translated, no_spaces)
         placed.append(Mark(*region, mark.open, mark.close, children))
     return sorted(placed, key=lambda m: (m.start, m.end))
@@ -327,16 +328,18 @@ class _Alignment:
     target_words: list[tuple[int, int]]
     targets: dict[int, list[int]]  # source word -> the target words aligned to it
 
+    def __post_init__(self):
+        self.ends = [b for _, b in self.source_words]  # in order: words do not overlap
+
     def span(self, start: int, end: int) -> tuple[int, int] | None:
         """The characters of the translation that cover every target word aligned to a source word overlapping
         characters [start, end) of the source; None when none is aligned."""
-        found = [
-            self.target_words[j]
-            for i, (a, b) in enumerate(self.source_words)
-            if a < end and start < b
-            for j in self.targets.get(i, ())
-            if j < len(self.target_words)
-        ]
+        first = bisect.bisect_right(self.ends, start)
+        found = []
+        for i in range(first, len(self.source_words)):
+            if self.source_words[i][0] >= end:
+                break
+            found += [self.target_words[j] for j in self.targets.get(i, ()) if j < len(self.target_words)]
         return (min(a for a, _ in found), max(b for _, b in found)) if found else None
 
 
@@ -355,7 +358,7 @@ def _place_by_links(text, marks, bounds, source_bounds, aligned: _Alignment, no_
                 span = _relative_position(mark, source_bounds, bounds)
             region = _whole_words(text, span, bounds, no_spaces)
         region = _free(region, taken, bounds)
-        taken.append(region)
+        bisect.insort(taken, region)
         children = _place_by_links(text, mark.children, region, (mark.start, mark.end), aligned, no_spaces)
         placed.append(Mark(*region, mark.open, mark.close, children))
     return sorted(placed, key=lambda m: (m.start, m.end))
@@ -411,22 +414,23 @@ def _whole_words(text: str, region: tuple[int, int], bounds: tuple[int, int], no
 
 def _free(region: tuple[int, int], taken: list[tuple[int, int]], bounds: tuple[int, int]) -> tuple[int, int]:
     """The part of `region` that lies in the largest stretch of `bounds` no sibling has taken (siblings must not
-    overlap, nor may one hold an empty sibling inside it); an empty range where no such part is left."""
+    overlap, nor may one hold an empty sibling inside it); an empty range where no such part is left. `taken`: the
+    siblings' ranges, sorted (callers insert with bisect.insort): the free stretches are the gaps between them, and
+    only those from the one ending after `region` starts are looked at, so that thousands of siblings cost
+    thousands of steps, not their square."""
     lo, hi = bounds
     start, end = max(lo, min(region[0], hi)), max(lo, min(region[1], hi))
-    stretches = [(lo, hi)]
-    for s, e in taken:  # what is left of each stretch beside the sibling (an empty sibling splits it in two)
-        stretches = [
-            part
-            for a, b in stretches
-            for part in ([(a, b)] if e <= a or s >= b else [(a, s)] * (a < s) + [(e, b)] * (e < b))
-        ]
-
-    def overlap(stretch: tuple[int, int]) -> int:
-        return min(stretch[1], end) - max(stretch[0], start)
-
-    best = max(stretches, key=overlap, default=None)
-    if best is not None and overlap(best) > 0:
+    best, best_overlap = None, 0
+    first = max(bisect.bisect_right(taken, (start, hi)) - 1, 0)
+    gap_start = lo if first == 0 else max(lo, taken[first - 1][1])  # disjoint and sorted: ends are in order too
+    for s, e in [*taken[first:], (hi, hi)]:  # each gap ends where the next sibling starts (an empty one splits)
+        if gap_start >= end:  # no later gap reaches into the region
+            break
+        overlap = min(s, end) - max(gap_start, start)
+        if gap_start < s and overlap > best_overlap:
+            best, best_overlap = (gap_start, s), overlap
+        gap_start = max(gap_start, e)
+    if best is not None:
         return max(best[0], start), min(best[1], end)
     point = start  # nothing left: an empty element where it would start, moved out of a sibling it falls into
     for s, e in taken:
