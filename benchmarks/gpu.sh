@@ -2,16 +2,17 @@
 # One prepared GPU benchmark call (fits one device call of under 8 minutes on an H200):
 #   bash benchmarks/gpu.sh            Transformer-base, bf16 autocast, eager and torch.compile, beam-4 decoding
 #   bash benchmarks/gpu.sh --tiny     the same logic with a tiny model, e.g. on a CPU, to check the script
-# Installs the project into a fresh venv if mtcli is not importable (the device machine starts bare).
+# Runs from a plain checkout: mtcli itself is read from here (PYTHONPATH), never installed, so a device machine with
+# torch and the dependencies but no network can run it; a missing dependency is named, not installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! $PY -c "import mtcli.train" 2>/dev/null; then
-  if [ -x .venv/bin/python ] && .venv/bin/python -c "import mtcli.train" 2>/dev/null; then
-    PY=.venv/bin/python
-  else
-    $PY -m pip install --quiet -e . || { echo "gpu.sh: could not install mtcli"; exit 1; }
-  fi
+[ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# from another folder: `python -c` would put this checkout on sys.path itself and hide a missing PYTHONPATH
+if ! missing=$(cd / && $PY -c "import mtcli.train" 2>&1); then
+  echo "gpu.sh: mtcli cannot be imported from this checkout with $PY: ${missing##*$'\n'}"
+  exit 1
 fi
 $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())"
 out=${OUT:-benchmarks}

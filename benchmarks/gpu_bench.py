@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the checkout's mtcli, installed or not
 
 from flops import FORMULA, training_flops  # noqa: E402
 
