@@ -20,6 +20,7 @@ from mtcli.errors import MtcliError
 from mtcli.glossary import words
 from mtcli.line_io import format_links
 from mtcli.log import progress_bar
+from mtcli.tokenizer import word_separator
 
 # Pairs aligned by one eflomal run: bounds memory (eflomal holds its chunk in memory) while giving each run enough
 # text to estimate its lexical statistics; eflomal sets its iterations from the chunk's size.
@@ -219,6 +220,16 @@ def attention_links(attention, one_to_many: bool = False) -> list[tuple[int, int
         return [(s, t) for t, s in enumerate(best_source)]
     best_target = attention.argmax(0)
     return [(s, t) for t, s in enumerate(best_source) if best_target[s] == t]
+
+
+def attention_word_links(attention, src_pieces, line: str, prefix: str, tgt_pieces, text: str, tgt_lang: str) -> Links:
+    """The word links of one translation, from its alignment heads' attention (output pieces x source pieces, the
+    source's EOS left out): attention_links, one to many for a target written without spaces, carried from the
+    pieces to the words of the source line (after `prefix`) and of the translation's `text`. What mtcli's
+    translations and its CTranslate2 export's both go through."""
+    one_to_many = word_separator(tgt_lang) == ""  # Chinese, Japanese: a word is a character
+    pairs = attention_links(attention, one_to_many)
+    return word_links(pairs, source_piece_words(src_pieces, line, prefix), piece_words(tgt_pieces, text))
 
 
 def word_links(piece_pairs, src_words: list[list[int]], tgt_words: list[list[int]]) -> Links:

@@ -460,6 +460,12 @@ class Config:
             "its links are between the cached pieces, which data.sampling_alpha re-segments: set one of them to 0",
         )
 
+    @property
+    def alignment_heads(self) -> int:
+        """The heads of model.alignment_layer whose averaged attention aligns words: model.alignment_heads of a model
+        trained with guided alignment, else all of them (mtcli's alignments, its CTranslate2 export's)."""
+        return self.model.alignment_heads if self.train.guided_alignment else self.model.heads
+
     def source_prefix(self, decode: DecodeConfig | None = None) -> str:
         """What goes before every source line: decode.src_prefix where set (another target language of a
         multilingual model), else data.src_prefix (the one the model was trained with)."""

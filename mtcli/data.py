@@ -620,7 +620,7 @@ def _encode_split(
         bar.close()
         for f in (*files.values(), *lengths.values(), *texts.values()):
             f.close()
-    for side in ("src", "tgt", "links") if "links" in files else ("src", "tgt"):
+    for side in lengths:  # src, tgt, and links with data.alignments
         _write_offsets(folder / f"{role}.{side}.len.tmp", folder / f"{role}.{side}.idx.npy")
     if tally is not None:
         counts["corpora"] = tally.save(folder / f"{role}.corpus.npy")

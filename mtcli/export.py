@@ -282,7 +282,7 @@ def write_ctranslate2(
 
     class MtcliConverter(Converter):
         def _load(self):
-            return _ctranslate2_spec(model, tokenizer, ctranslate2, alignment_heads(config))
+            return _ctranslate2_spec(model, tokenizer, ctranslate2, config.alignment_heads)
 
     # the converter empties its output folder first (force=True): a temporary folder, never the user's target
     MtcliConverter().convert(
@@ -313,12 +313,6 @@ def parity_translator(checkpoint: Path, config) -> Translator:
     translator = Translator.from_checkpoint(checkpoint, "cpu", "fp32")
     translator.config = replace(translator.config, decode=config.decode)
     return translator
-
-
-def alignment_heads(config) -> int:
-    """The heads whose averaged attention aligns words: model.alignment_heads of a model trained with guided
-    alignment, else all of model.alignment_layer's (Translator.align's rule)."""
-    return config.model.alignment_heads if config.train.guided_alignment else config.model.heads
 
 
 def _ctranslate2_spec(model, tokenizer, ctranslate2, align_heads: int):

@@ -32,7 +32,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from mtcli.align import Links, attention_links, piece_words, source_piece_words, word_links
+from mtcli.align import Links, attention_word_links
 from mtcli.config import DecodeConfig
 from mtcli.data import eval_texts
 from mtcli.errors import MtcliError, error_text
@@ -41,7 +41,7 @@ from mtcli.line_io import read_lines
 from mtcli.log import counted, format_duration, logger
 from mtcli.outputs import MANIFEST, files_under
 from mtcli.scoring import score
-from mtcli.tokenizer import Tokenizer, word_separator
+from mtcli.tokenizer import Tokenizer
 
 PROBE_LINES = 500  # lines of the valid split in a probe: enough to see a 1% difference, seconds to translate
 REPEAT_TIMES = 4  # an output "repeats" when some 1-4 subword n-gram occurs this many times in a row
@@ -212,8 +212,7 @@ class CTranslate2Engine:
         pieces = self.tokenizer.tgt_pieces(range(self.tokenizer.tgt_vocab_size))
         self.id_of = {p: i for i, p in enumerate(pieces)}
         meta = folder / "mtcli.json"  # the export's languages: alignments read as mtcli reads them for the target
-        tgt_lang = json.loads(meta.read_text(encoding="utf-8")).get("tgt_lang", "") if meta.is_file() else ""
-        self.one_to_many = word_separator(tgt_lang) == "" if tgt_lang else False
+        self.tgt_lang = json.loads(meta.read_text(encoding="utf-8")).get("tgt_lang", "") if meta.is_file() else ""
 
     def translate(self, lines: list[str], s: EngineSettings, beam: int) -> list[str]:
         """Each line after the source prefix, cut at max_src_tokens, translated; an empty line gives an empty
@@ -224,7 +223,7 @@ class CTranslate2Engine:
         self, lines: list[str], s: EngineSettings, beam: int, alignments: bool = True
     ) -> list[tuple[str, Links | None]]:
         """translate, with each translation's word links read from the attention CTranslate2 returns (the heads
-        the export declares, see export.alignment_heads), as Translator.align reads mtcli's (align.attention_links)."""
+        the export declares, Config.alignment_heads), as Translator.align reads mtcli's (align.attention_links)."""
         out: list[tuple[str, Links | None]] = [("", [] if alignments else None)] * len(lines)
         todo = [i for i, line in enumerate(lines) if line.strip()]
         if not todo:
@@ -245,11 +244,16 @@ class CTranslate2Engine:
         for i, src_ids, output, text, result in zip(todo, ids, tokens, texts, found):
             links = None
             if alignments:
-                src_words = source_piece_words(self.tokenizer.src_pieces(src_ids), lines[i], self.prefix)
                 attention = np.asarray(result.attention[0], dtype=np.float32).reshape(len(output), -1)
-                pairs = attention_links(attention[:, : len(src_ids)], self.one_to_many)  # the source's EOS aside
-                tgt_words = piece_words(self.tokenizer.tgt_pieces(output), text)
-                links = word_links(pairs, src_words, tgt_words)
+                links = attention_word_links(
+                    attention[:, : len(src_ids)],  # the source's EOS aside
+                    self.tokenizer.src_pieces(src_ids),
+                    lines[i],
+                    self.prefix,
+                    self.tokenizer.tgt_pieces(output),
+                    text,
+                    self.tgt_lang,
+                )
             out[i] = (text, links)
         return out
 
@@ -364,14 +368,13 @@ def compare_alignments(ours: list[tuple[str, Links]], theirs: list[tuple[str, Li
     same = [(a, b) for (text, a), (other, b) in zip(ours, theirs) if text and text == other]
     union = sum(len(set(a) | set(b or [])) for a, b in same)
     common = sum(len(set(a) & set(b or [])) for a, b in same)
-    model = translator.config.model
     return {
         "lines": len(same),
         "links": union,
         "identical_links": common,
         "identical_rate": common / union if union else 1.0,
-        "layer": model.alignment_layer_index,
-        "heads": model.alignment_heads if translator.guided_alignment else model.heads,
+        "layer": translator.config.model.alignment_layer_index,
+        "heads": translator.config.alignment_heads,
         "guided": translator.guided_alignment,
     }
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mtcli.align import Links, attention_links, piece_words, source_piece_words, word_links
+from mtcli.align import Links, attention_word_links
 from mtcli.batching import collate, translation_batches
 from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, resolve_member
 from mtcli.config import Config, DecodeConfig
@@ -232,13 +232,10 @@ class Translator:
     ) -> None:
         """Set each translation's word alignment: the decoder reads the source and the translation once more (as
         training does, up to model.alignment_layer only), and a target piece is linked to a source piece where each
-        is the other's most attended (align.attention_links; EOS aside); links between pieces become links between the
-        words they spell. The heads are model.alignment_heads of a model trained with guided alignment, else all
-        of the layer's.
-        `memory`: the search's encoder output for src_ids, in their order (else the source is encoded again)."""
+        is the other's most attended (EOS aside); links between pieces become links between the words they spell
+        (align.attention_word_links). The heads: Config.alignment_heads. `memory`: the search's encoder output for
+        src_ids, in their order (else the source is encoded again)."""
         model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
-        cfg = model.cfg
-        heads = cfg.alignment_heads if self.guided_alignment else cfg.heads
         flat = [(i, h) for i, sentence in enumerate(hyps) for h in sentence]
         if not flat:
             return
@@ -248,20 +245,17 @@ class Translator:
             memory = model.encode(batch.src, batch.src_pad_mask)
         else:  # one row per translation (n-best lists repeat their sentence), the first member's part of an ensemble's
             rows = torch.tensor([i for i, _ in flat], device=memory.device)
-            memory = memory[..., : cfg.d_model].index_select(0, rows)[:, : batch.src.shape[1]]
+            memory = memory[..., : model.cfg.d_model].index_select(0, rows)[:, : batch.src.shape[1]]
+        heads = self.config.alignment_heads
         weights = model.decode_aligned(batch.tgt_in, memory, batch.src_pad_mask, None, heads, True)[1]
         weights = weights.float().cpu().numpy()
-        one_to_many = word_separator(self.config.data.tgt_lang) == ""  # Chinese, Japanese: a word is a character
-        prefix = self.config.source_prefix(decode)
-        src_words = {}
+        prefix, tgt_lang = self.config.source_prefix(decode), self.config.data.tgt_lang
         for row, (i, h) in enumerate(flat):
-            if i not in src_words:
-                src_words[i] = source_piece_words(self.tokenizer.src_pieces(src_ids[i]), lines[i], prefix)
             h.source_words = len(words(lines[i]))
             # the rows that write the output's pieces, the columns of the source's pieces (EOS and padding aside)
-            pairs = attention_links(weights[row, : len(h.tokens), : len(src_ids[i])], one_to_many)
-            tgt_words = piece_words(self.tokenizer.tgt_pieces(h.tokens), h.text)
-            h.alignment = word_links(pairs, src_words[i], tgt_words)
+            attention = weights[row, : len(h.tokens), : len(src_ids[i])]
+            src_pieces, tgt_pieces = self.tokenizer.src_pieces(src_ids[i]), self.tokenizer.tgt_pieces(h.tokens)
+            h.alignment = attention_word_links(attention, src_pieces, lines[i], prefix, tgt_pieces, h.text, tgt_lang)
 
     def source_ids(self, lines: list[str], decode: DecodeConfig | None = None) -> list[list[int]]:
         """Source subword ids of each line, after the source prefix (decode.src_prefix, else data.src_prefix: the
@@ -360,42 +354,19 @@ class Translator:
         with torch.inference_mode():  # once for the search and the alignments
             memory = self.model.encode(batch.src, batch.src_pad_mask)
         args = (self.model, batch.src, batch.src_pad_mask, max_lens.to(self.device))
+        d = decode
+        beam_args = (d.beam, d.lenpen, d.min_len, d.nbest, d.no_repeat_ngram, d.length_norm, d.early_stopping)
         if terms is not None and any(terms):
-            d = decode
-            hyps = constrained_beam_search(
-                *args,
-                terms,
-                d.beam,
-                d.lenpen,
-                d.min_len,
-                d.nbest,
-                d.no_repeat_ngram,
-                d.length_norm,
-                d.early_stopping,
-                self.piece_texts(),
-                memory=memory,
-            )
+            hyps = constrained_beam_search(*args, terms, *beam_args, self.piece_texts(), memory=memory)
         elif decode.sampling:
             if self.generator is None:  # one stream for the whole session: a line's sample must not depend on batching
                 self.generator = torch.Generator(device=self.device).manual_seed(self.config.train.seed)
-            d = decode
             found = sample(*args, d.temperature, d.top_k, d.top_p, d.min_len, self.generator, memory=memory)
             hyps = [[h] for h in found]
         elif decode.beam == 1 and not decode.no_repeat_ngram:  # beam 1 is greedy; the n-gram ban lives in beam search
             hyps = [[h] for h in greedy_search(*args, decode.min_len, memory=memory)]
         else:
-            d = decode
-            hyps = beam_search(
-                *args,
-                d.beam,
-                d.lenpen,
-                d.min_len,
-                d.nbest,
-                d.no_repeat_ngram,
-                d.length_norm,
-                d.early_stopping,
-                memory=memory,
-            )
+            hyps = beam_search(*args, *beam_args, memory=memory)
         texts = iter(self.tokenizer.decode_tgt([h.tokens for sentence in hyps for h in sentence]))
         found = [[Translation(next(texts), h.score, h.log_prob, h.tokens) for h in sentence] for sentence in hyps]
         if lines is not None:
@@ -495,7 +466,8 @@ def translate_html_source(
     if source.sentences is not None:
         documents, ends = source.sentences, "\n"
     elif input_file is not None:  # as it is, line ends and all (open_source checked it is UTF-8)
-        documents, ends = [Path(input_file).read_text(encoding="utf-8").removeprefix("\ufeff")], ""
+        with open(input_file, encoding="utf-8", newline="") as f:
+            documents, ends = [f.read().removeprefix("\ufeff")], ""
     else:
         documents, ends = [sys.stdin.read(MAX_HTML_CHARS + 1)], ""
     for document in documents:
