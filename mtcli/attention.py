@@ -67,9 +67,11 @@ class SelfAttention(nn.Module):
             k, v = cache.k[:, :, : start + T], cache.v[:, :, : start + T]  # (B, H, start+T, D)
         # SDPA's causal mask is aligned top-left, which is right only when queries and keys start together: a
         # one-token step attends to every cached position, and a multi-token call must start at an empty cache.
-        if causal and T > 1 and start > 0:
+        # The flag is a plain bool made of Python values only: `T > 1` is symbolic under torch.compile(dynamic=True),
+        # and a symbolic is_causal breaks the graph at every decoder layer.
+        if cache is not None and start > 0 and T > 1:
             raise ValueError("a multi-token decoder call with a cache must start at position 0")
-        y = attend(q, k, v, mask, causal and T > 1, self.dropout if self.training else 0.0)
+        y = attend(q, k, v, mask, causal and start == 0, self.dropout if self.training else 0.0)
         return output_projection(self.out, y)
 
 

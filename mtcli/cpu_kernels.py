@@ -211,8 +211,9 @@ def _rows_linear(layer: nn.Linear, rows: torch.Tensor, relu: bool = False) -> to
 
 
 def _fast_rows(x: torch.Tensor, *layers: nn.Module) -> bool:
-    # plain nn.Linear only: translation's PackedLinear and int8 layers are not trained
-    return cpu_autocast(x) and all(type(layer) is nn.Linear for layer in layers)
+    # plain nn.Linear only: translation's PackedLinear and int8 layers are not trained. Not under torch.compile,
+    # whose CPU backend makes its own kernels (and cannot trace the probes' fork_rng).
+    return cpu_autocast(x) and not torch.compiler.is_compiling() and all(type(layer) is nn.Linear for layer in layers)
 
 
 def split_heads(x: torch.Tensor, parts: int, heads: int) -> tuple[torch.Tensor, ...]:
@@ -273,7 +274,7 @@ class Dropout(nn.Module):
 
     def _scaled_keep(self, x: torch.Tensor) -> torch.Tensor | None:
         """1 / (1 - p) where an element is kept and 0 where dropped, in x's dtype; None where F.dropout is used."""
-        if x.device.type != "cpu" or x.numel() % 4:
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or x.numel() % 4:
             return None
         lanes = torch.randint(-(2**63), 2**63 - 1, (x.numel() // 4,), dtype=torch.int64).view(torch.int16)
         return (lanes.view(x.shape) >= self.threshold).to(x.dtype).mul_(1.0 / (1.0 - self.p))

@@ -22,6 +22,15 @@ from mtcli.model import Transformer
 CHUNK_ROWS = 1024
 
 
+def chunks(rows) -> tuple[range | list[int], int]:
+    """The first row of each chunk, and the rows per chunk: CHUNK_ROWS, or all rows in one chunk under torch.compile,
+    where a loop over rows / CHUNK_ROWS chunks would fix the row count in the graph (a recompile for nearly every
+    batch), and Inductor fuses the passes itself; the logits of one micro-batch then exist whole for a moment."""
+    if torch.compiler.is_compiling():
+        return [0], rows
+    return range(0, rows, CHUNK_ROWS), CHUNK_ROWS
+
+
 def _product_dtype(hidden: torch.Tensor) -> torch.dtype:
     """The dtype the fused losses' matrix products run in: the autocast dtype when autocast is on, else the input's."""
     device = hidden.device.type
@@ -55,16 +64,17 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if needs_grad else None
         # fp32: one logits buffer for every chunk, written by the matrix product: a fresh (n, V) tensor per chunk
         # costs page faults on CPU and allocator traffic on GPU.
-        rows = min(hidden.shape[0], CHUNK_ROWS)
+        starts, chunk = chunks(hidden.shape[0])
+        rows = hidden.shape[0] if len(starts) == 1 else chunk
         buffer = (
             torch.empty(rows, V, dtype=torch.float32, device=hidden.device) if hidden.dtype == torch.float32 else None
         )
         # mean_v z_v = h . mean_v w_v: label smoothing's uniform term as a matrix-vector product, not a pass over z
         w_mean = weight.float().mean(dim=0)
-        bias_mean = float(bias.float().mean()) if bias is not None else 0.0
+        bias_mean = bias.float().mean() if bias is not None else 0.0  # a tensor: float() would wait for the device
         w_sum = (w_mean * V).to(w.dtype) if needs_grad else None
-        for start in range(0, hidden.shape[0], CHUNK_ROWS):
-            h, y = hidden[start : start + CHUNK_ROWS], labels[start : start + CHUNK_ROWS]
+        for start in starts:
+            h, y = hidden[start : start + chunk], labels[start : start + chunk]
             n = h.shape[0]
             if h.dtype == torch.float32:
                 logits = torch.mm(h, w.t(), out=buffer[:n])  # (n, V)
@@ -73,15 +83,13 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias.to(logits.dtype)
             # One fused softmax pass (in the logits' dtype: bf16 probabilities are what the bf16 products below take).
-            # The loss needs the log-sum-exp: lse = z_y - log p_y. Where p_y is too small for that to be exact
-            # (under ~1e-30, a hopeless prediction), those rows get the log-sum-exp computed directly.
+            # The loss needs the log-sum-exp, lse = z_j - log p_j for any j: taken at each row's most likely token,
+            # whose probability is at least 1 / V, so it is exact in every dtype (fp16 included) without a branch on
+            # the data, which would read the device from the host and break torch.compile's graph.
             probs = torch.softmax(logits, dim=1)
+            p_best, best = probs.max(dim=1)
+            lse = logits.gather(1, best[:, None]).squeeze(1).float() - p_best.float().log()
             target = logits.gather(1, y[:, None]).squeeze(1).float()
-            p_target = probs.gather(1, y[:, None]).squeeze(1).float()
-            lse = target - p_target.log()
-            tiny = p_target < 1e-30
-            if bool(tiny.any()):
-                lse[tiny] = torch.logsumexp(logits[tiny].float(), dim=1)
             mean_logit = h.float() @ w_mean + bias_mean
             total += (lse - (1 - eps) * target - eps * mean_logit)[: N - start].sum()
             if not needs_grad:
@@ -161,8 +169,9 @@ class _FusedSymmetricKL(torch.autograd.Function):
         total = torch.zeros((), dtype=torch.float32, device=h1.device)
         grad1, grad2 = torch.empty_like(h1), torch.empty_like(h2)
         grad_weight = torch.zeros_like(weight, dtype=torch.float32)
-        for start in range(0, h1.shape[0], CHUNK_ROWS):
-            x1, x2 = h1[start : start + CHUNK_ROWS], h2[start : start + CHUNK_ROWS]
+        starts, chunk = chunks(h1.shape[0])
+        for start in starts:
+            x1, x2 = h1[start : start + chunk], h2[start : start + chunk]
             shift = bias.float() if bias is not None else 0.0  # the fixed output bias, if any
             logp1 = torch.log_softmax((x1 @ w.t()).float() + shift, dim=1)
             logp2 = torch.log_softmax((x2 @ w.t()).float() + shift, dim=1)
@@ -174,8 +183,8 @@ class _FusedSymmetricKL(torch.autograd.Function):
             p2 = p1 - gap
             g2 = torch.addcmul(gap, p2, diff - (p2 * diff).sum(1, keepdim=True)).neg_().to(dtype)
             g1 = torch.addcmul(gap, p1, diff.sub_((p1 * diff).sum(1, keepdim=True))).to(dtype)
-            grad1[start : start + CHUNK_ROWS] = g1 @ w
-            grad2[start : start + CHUNK_ROWS] = g2 @ w
+            grad1[start : start + chunk] = g1 @ w
+            grad2[start : start + chunk] = g2 @ w
             grad_weight.add_((g1.t() @ x1).float()).add_((g2.t() @ x2).float())
         ctx.save_for_backward(grad1[:N].to(hidden_dtype), grad2[:N].to(hidden_dtype), grad_weight)
         ctx.weight_dtype = weight.dtype

@@ -117,14 +117,15 @@ def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
         )
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_fused_projection_loss_is_exact_where_the_target_probability_underflows(bf16):
-    """The loss takes log-sum-exp as z_y - log p_y; a target 200 logits below the best has p_y = 0 in fp32 and bf16,
-    and must still get its true loss (~200), not inf."""
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
+def test_fused_projection_loss_is_exact_where_the_target_probability_underflows(dtype):
+    """The loss takes log-sum-exp as z_j - log p_j at the row's most likely token j; a target 200 logits below the
+    best has p_y = 0 in every dtype (fp16's smallest number is 6e-8), and must still get its true loss (~200), not
+    inf."""
     hidden = torch.tensor([[200.0, 0.0], [0.0, 1.0]], requires_grad=True)
     weight = torch.eye(2)
     labels = torch.tensor([1, 1])
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = projection_cross_entropy(hidden, weight, labels, 0.0)
     loss.backward()
     reference = F.cross_entropy(hidden.detach() @ weight.t(), labels, reduction="sum")
