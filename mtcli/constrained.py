@@ -31,6 +31,7 @@ from mtcli.search import (
     ban_repeated_ngrams,
     length_penalty,
     row_topk,
+    rows_at_limit,
     sentences_done,
     step_log_probs,
 )
@@ -126,7 +127,7 @@ def constrained_beam_search(
     scores = torch.full((B, k), NEG_INF, device=device)
     scores[:, 0] = 0.0
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    row_max_lens = max_lens.repeat_interleave(k)
+    row_limits = [limit for limit in max_lens.tolist() for _ in range(k)]
     term_texts = (
         [["".join(piece_text[t] for t in term) for term in sentence] for sentence in terms] if piece_text else []
     )
@@ -134,11 +135,13 @@ def constrained_beam_search(
     for step in range(max_total + 1):
         n = len(sentences)
         # (2) Log-probabilities with the terms' rules.
-        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
+        at_limit = rows_at_limit(row_limits, step, device)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         if no_repeat_ngram > 0 and step >= no_repeat_ngram:
-            ban_repeated_ngrams(log_probs, torch.tensor(history, device=device), no_repeat_ngram)
+            history_t = torch.tensor(history, device=device)
+            ban_repeated_ngrams(log_probs, history_t, no_repeat_ngram, model.specials.pad)
         wants_eos = (log_probs.argmax(dim=1) == eos).tolist() if k == 1 else None
-        _apply_term_rules(log_probs, states, [terms[s] for s in sentences for _ in range(k)], row_max_lens, step, eos)
+        _apply_term_rules(log_probs, states, [terms[s] for s in sentences for _ in range(k)], row_limits, step, eos)
         # (3) Candidates: the best 2k continuations of each sentence (as beam search) ...
         c = min(2 * k, log_probs.shape[-1])
         row_scores, row_tokens = row_topk(log_probs, c)
@@ -188,9 +191,7 @@ def constrained_beam_search(
             picks += [(i * k, eos, NEG_INF)] * (k - len(chosen))  # fewer live candidates than k: empty slots
             best_live.append(chosen[0][2] if chosen else NEG_INF)
         # (6) Which sentences are done.
-        is_done = sentences_done(
-            finished, torch.tensor(sentences), torch.tensor(best_live), wanted, penalty, early_stopping
-        )
+        is_done = sentences_done(finished, sentences, best_live, wanted, penalty, early_stopping)
         if all(is_done) or step == max_total:
             for i, sentence in enumerate(sentences):  # never nothing: the best live hypothesis as far as it went
                 if not finished[sentence] and best_live[i] > NEG_INF:
@@ -214,7 +215,7 @@ def constrained_beam_search(
             keep_t = torch.tensor(keep, device=device)
             sentences = [sentences[i] for i in keep]
             memory, src_pad_mask = memory[keep_t], src_pad_mask[keep_t]
-            row_max_lens = row_max_lens.view(n, k)[keep_t].reshape(-1)
+            row_limits = [row_limits[i * k + j] for i in keep for j in range(k)]
             cache.reorder(rows, keep_t)
         else:
             cache.reorder(rows)
@@ -234,16 +235,15 @@ def _fitting(terms: list[list[int]], limit: int) -> list[list[int]]:
     return kept
 
 
-def _apply_term_rules(log_probs, states, row_terms, row_max_lens, step: int, eos: int) -> None:
+def _apply_term_rules(log_probs, states, row_terms, row_limits: list[int], step: int, eos: int) -> None:
     """Beam phase (2), in place: EOS is forbidden to rows with terms still to write, and a row whose steps left are
     just enough for its term tokens may take only the next of them (with the model's score for it)."""
-    limits = row_max_lens.tolist()
     no_eos, forced_rows, forced_tokens = [], [], []
     for row, (state, terms) in enumerate(zip(states, row_terms)):
         if not terms or state.done(terms):
             continue
         no_eos.append(row)
-        if state.needed(terms) >= limits[row] - step:
+        if state.needed(terms) >= row_limits[row] - step:
             forced_rows.append(row)
             forced_tokens.append(state.next_tokens(terms)[0])
     if forced_rows:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mtcli.cache import KVCache
@@ -53,10 +54,11 @@ def step_log_probs(
     src_pad_mask: torch.Tensor,
     cache: KVCache | EnsembleCache,
     step: int,
-    max_lens: torch.Tensor,
+    at_limit: torch.Tensor | None,
     min_len: int,
 ) -> torch.Tensor:
-    """Log-probabilities of the next token, (N, V) in float32, with the length constraints applied."""
+    """Log-probabilities of the next token, (N, V) in float32, with the length constraints applied. `at_limit`: the
+    rows that must end now (`rows_at_limit`), or None."""
     pad, bos, eos = model.specials.pad, model.specials.bos, model.specials.eos
     logits = model.decode(tokens, memory, src_pad_mask, cache)[:, -1]
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # reads bf16 logits as they are
@@ -64,12 +66,18 @@ def step_log_probs(
     log_probs[:, bos] = NEG_INF
     if step < min_len:
         log_probs[:, eos] = NEG_INF
-    at_limit = max_lens <= step  # these rows must end now
-    if at_limit.any():
+    if at_limit is not None:
         eos_scores = log_probs[at_limit, eos].clone()
         log_probs[at_limit] = NEG_INF
         log_probs[at_limit, eos] = torch.nan_to_num(eos_scores, neginf=0.0)
     return log_probs
+
+
+def rows_at_limit(row_limits: list[int], step: int, device) -> torch.Tensor | None:
+    """The rows whose length limit (kept on the host, so that no step reads the device to find them) is reached at
+    `step`, as an index tensor; None when there are none (most steps)."""
+    rows = [row for row, limit in enumerate(row_limits) if limit <= step]
+    return torch.tensor(rows, device=device) if rows else None
 
 
 @torch.inference_mode()
@@ -82,32 +90,40 @@ def greedy_search(
     memory: torch.Tensor | None = None,
 ) -> list[Hypothesis]:
     """The most likely next token at every step. Returns one hypothesis per sentence (score = log-probability).
-    `memory`: the encoder's output for `src`, when the caller has it already (every search takes it)."""
+    `memory`: the encoder's output for `src`, when the caller has it already (every search takes it).
+
+    Each step reads the device once (the chosen tokens with their log-probabilities): on a GPU, every read waits for
+    the queued kernels."""
     B, device, eos = src.shape[0], src.device, model.specials.eos
+    limits = max_lens.tolist()  # kept on the host, as is which sentences still search
     memory = model.encode(src, src_pad_mask) if memory is None else memory
-    cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
-    active = torch.arange(B, device=device)  # sentence index of each row
+    cache = model.new_cache(B, max(limits) + 1, device, memory.dtype)
+    active = list(range(B))  # sentence index of each row
     tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
     log_prob_sums = [0.0] * B
     done: list[Hypothesis | None] = [None] * B
-    for step in range(int(max_lens.max()) + 1):
-        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
+    for step in range(max(limits) + 1):
+        at_limit = rows_at_limit([limits[sentence] for sentence in active], step, device)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         best_lp, best = log_probs.max(dim=-1)
-        finished = best == eos
-        for sentence, token, lp, fin in zip(active.tolist(), best.tolist(), best_lp.tolist(), finished.tolist()):
+        # the step's one read: float64 holds the token ids and the float32 log-probabilities exactly
+        picked = torch.stack([best.double(), best_lp.double()], dim=1).tolist()
+        keep = []
+        for row, (sentence, (token, lp)) in enumerate(zip(active, picked)):
             log_prob_sums[sentence] += lp
-            if fin:
+            if token == eos:
                 done[sentence] = Hypothesis(outputs[sentence], log_prob_sums[sentence], log_prob_sums[sentence])
             else:
-                outputs[sentence].append(token)
-        if finished.all():
+                outputs[sentence].append(int(token))
+                keep.append(row)
+        if not keep:
             break
-        keep = (~finished).nonzero().squeeze(1)
-        if keep.numel() < finished.numel():  # drop finished sentences from the batch and the cache
-            active, best = active[keep], best[keep]
-            memory, src_pad_mask, max_lens = memory[keep], src_pad_mask[keep], max_lens[keep]
-            cache.reorder(keep, keep)
+        if len(keep) < len(active):  # drop finished sentences from the batch and the cache
+            keep_t = torch.tensor(keep, device=device)
+            active = [active[row] for row in keep]
+            best, memory, src_pad_mask = best[keep_t], memory[keep_t], src_pad_mask[keep_t]
+            cache.reorder(keep_t, keep_t)
         tokens = best[:, None]
     return done  # type: ignore[return-value]
 
@@ -141,25 +157,27 @@ def beam_search(
     """
     B, k, device, eos = src.shape[0], beam_size, src.device, model.specials.eos
     wanted = max(k, nbest)  # finished hypotheses a sentence waits for
+    limits = max_lens.tolist()  # the host keeps what it decides on: limits, sentences, outputs so far
     # (1) Encode once. Cross-attention keys/values stay one per sentence; self-attention rows are one per beam.
     memory = model.encode(src, src_pad_mask) if memory is None else memory
-    max_total = int(max_lens.max())
+    max_total = max(limits)
     cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
-    sentences = torch.arange(B, device=device)  # sentence index of each batch entry still searching
+    sentences = list(range(B))  # sentence index of each batch entry still searching
     tokens = torch.full((B * k, 1), model.specials.bos, dtype=torch.long, device=device)
-    history = torch.empty((B * k, 0), dtype=torch.long, device=device)  # output tokens per row
+    history: list[list[int]] = [[] for _ in range(B * k)]  # output tokens per row
+    banned_from = torch.empty((B * k, 0), dtype=torch.long, device=device)  # the same on the device (no_repeat_ngram)
     # Only the first beam is live at the start, so the first step does not pick k copies of the same token.
     scores = torch.full((B, k), NEG_INF, device=device)
     scores[:, 0] = 0.0
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    row_max_lens = max_lens.repeat_interleave(k)
 
     for step in range(max_total + 1):
-        n = sentences.numel()
+        n = len(sentences)
         # (2) Next-token log-probabilities for every live row, with constraints.
-        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, row_max_lens, min_len)
+        at_limit = rows_at_limit([limits[sentence] for sentence in sentences for _ in range(k)], step, device)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         if no_repeat_ngram > 0:
-            ban_repeated_ngrams(log_probs, history, no_repeat_ngram)
+            ban_repeated_ngrams(log_probs, banned_from, no_repeat_ngram, model.specials.pad)
         # (3) Add to the running scores; best 2k candidates over beam x vocabulary, so k stay live after EOS ones.
         # The best 2k of a sentence are among the best 2k of each of its beams: two small top-k's instead of one over
         # k x V entries (a tenth of the step's time at beam 5 with an 8k vocabulary on CPU).
@@ -170,61 +188,62 @@ def beam_search(
         top_beams = top_ids // c
         top_tokens = row_tokens.view(n, k * c).gather(1, top_ids)
         is_eos = (top_tokens == eos) & torch.isfinite(top_scores)
-        # (4) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
-        penalty = length_penalty(step + 1, lenpen, length_norm)
-        _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, is_eos, k, penalty)
-        # (5) The best k non-EOS candidates stay live.
+        # (4) The best k non-EOS candidates stay live.
         not_live = is_eos | ~torch.isfinite(top_scores)
         live_order = not_live.to(torch.uint8).argsort(dim=1, stable=True)[:, :k]
         live_scores = top_scores.gather(1, live_order).masked_fill(not_live.gather(1, live_order), NEG_INF)  # (n, k)
         live_beams = top_beams.gather(1, live_order)
         live_tokens = top_tokens.gather(1, live_order)
+        # The step's one read of the device: what the host decides on, in one float64 block (exact for the ids and
+        # the float32 scores); on a GPU every read waits for the queued kernels.
+        block = torch.cat([top_scores[:, :k], top_beams[:, :k], is_eos[:, :k], live_scores, live_beams, live_tokens], 1)
+        host = block.double().cpu().numpy()
+        top_scores_h, top_beams_h, is_eos_h = host[:, :k], host[:, k : 2 * k].astype(np.int64), host[:, 2 * k : 3 * k]
+        best_live_h, live_beams_h = host[:, 3 * k], host[:, 4 * k : 5 * k].astype(np.int64)
+        live_tokens_h = host[:, 5 * k :].astype(np.int64)
+        # (5) EOS candidates ranked within the first k finish: normalized by the length penalty (with EOS).
+        penalty = length_penalty(step + 1, lenpen, length_norm)
+        for i, j in zip(*np.nonzero(is_eos_h)):
+            lp = float(top_scores_h[i, j])
+            finished[sentences[i]].append(Hypothesis(history[i * k + top_beams_h[i, j]], lp / penalty, lp))
         # (6) Which sentences are done: `wanted` finished, the worst of which no live hypothesis beats at its present
         # length.
-        done = sentences_done(finished, sentences, live_scores[:, 0], wanted, penalty, early_stopping)
-        done = torch.tensor(done, device=device)
-        if done.all() or step == max_total:
+        done = sentences_done(finished, sentences, best_live_h.tolist(), wanted, penalty, early_stopping)
+        if all(done) or step == max_total:
             break
         # (7) Reorder the cache and history by back-pointers; sentences that are done leave the batch.
-        keep = (~done).nonzero().squeeze(1)
-        rows = (keep[:, None] * k + live_beams[keep]).reshape(-1)
-        history = torch.cat([history[rows], live_tokens[keep].reshape(-1, 1)], dim=1)
-        scores = live_scores[keep]
-        tokens = live_tokens[keep].reshape(-1, 1)
-        if keep.numel() < n:
-            sentences = sentences[keep]
-            memory, src_pad_mask = memory[keep], src_pad_mask[keep]
-            row_max_lens = row_max_lens.view(n, k)[keep].reshape(-1)
-            cache.reorder(rows, keep)
+        keep = [i for i in range(n) if not done[i]]
+        rows_h = (np.array(keep)[:, None] * k + live_beams_h[keep]).reshape(-1)
+        history = [
+            history[row] + [token] for row, token in zip(rows_h.tolist(), live_tokens_h[keep].reshape(-1).tolist())
+        ]
+        if len(keep) < n:
+            keep_t = torch.tensor(keep, device=device)
+            rows = (keep_t[:, None] * k + live_beams[keep_t]).reshape(-1)
+            live_scores, live_tokens = live_scores[keep_t], live_tokens[keep_t]
+            sentences = [sentences[i] for i in keep]
+            memory, src_pad_mask = memory[keep_t], src_pad_mask[keep_t]
+            cache.reorder(rows, keep_t)
         else:
+            rows = (torch.arange(n, device=device)[:, None] * k + live_beams).reshape(-1)
             cache.reorder(rows)
+        if no_repeat_ngram > 0:
+            banned_from = torch.cat([banned_from[rows], live_tokens.reshape(-1, 1)], dim=1)
+        scores = live_scores
+        tokens = live_tokens.reshape(-1, 1)
     for hyps in finished:
         hyps.sort(key=lambda h: -h.score)
     return [hyps[:nbest] for hyps in finished]
 
 
-def _finish_eos_candidates(finished, sentences, history, top_scores, top_beams, is_eos, k: int, penalty) -> None:
-    """Beam phase (4): the EOS candidates among a sentence's k best become finished hypotheses."""
-    eos_rank_ok = torch.zeros_like(is_eos)
-    eos_rank_ok[:, :k] = True
-    new_finished = (is_eos & eos_rank_ok).nonzero().tolist()
-    if not new_finished:
-        return
-    hist, flat_scores, flat_beams = history.tolist(), top_scores.tolist(), top_beams.tolist()
-    for i, j in new_finished:
-        row = i * k + flat_beams[i][j]
-        lp = flat_scores[i][j]
-        finished[int(sentences[i])].append(Hypothesis(hist[row], lp / penalty, lp))
-
-
 def sentences_done(
-    finished, sentences, best_live: torch.Tensor, wanted: int | list[int], penalty, early_stopping: bool = False
+    finished, sentences: list[int], best_live: list[float], wanted: int | list[int], penalty, early_stopping=False
 ) -> list[bool]:
     """Beam phase (6): a sentence is done with `wanted` finished hypotheses (one number, or one per sentence), the
     worst of which its best live one cannot beat at the present length (its score can only fall) or at once with
     early_stopping, or with no live candidate left."""
     is_done = []
-    for sentence, live in zip(sentences.tolist(), best_live.tolist()):
+    for sentence, live in zip(sentences, best_live):
         hyps = finished[sentence]
         n = wanted[sentence] if isinstance(wanted, list) else wanted
         if len(hyps) >= n:
@@ -253,8 +272,9 @@ def row_topk(scores: torch.Tensor, c: int, block: int = 64) -> tuple[torch.Tenso
     return values, best_blocks.gather(1, where // block) * block + where % block
 
 
-def ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) -> None:
-    """Forbid tokens that would repeat an n-gram already in the row's output (in place)."""
+def ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int, spare_column: int) -> None:
+    """Forbid tokens that would repeat an n-gram already in the row's output (in place). `spare_column`: a column
+    that is -inf already (padding's): windows that do not match ban it, so nothing is read back from the device."""
     N, L = history.shape
     if L < n:  # no complete n-gram yet
         return
@@ -264,8 +284,7 @@ def ban_repeated_ngrams(log_probs: torch.Tensor, history: torch.Tensor, n: int) 
     windows = history.unfold(1, n, 1)  # (N, L-n+1, n)
     suffix = history[:, L - (n - 1) :]  # (N, n-1) the last n-1 tokens
     matches = (windows[:, :, : n - 1] == suffix[:, None, :]).all(dim=2)  # (N, L-n+1)
-    rows, starts = matches.nonzero(as_tuple=True)
-    log_probs[rows, windows[rows, starts, n - 1]] = NEG_INF
+    log_probs.scatter_(1, windows[:, :, n - 1].masked_fill(~matches, spare_column), NEG_INF)
 
 
 @torch.inference_mode()
@@ -283,14 +302,17 @@ def sample(
 ) -> list[Hypothesis]:
     """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""
     B, device, (pad, eos) = src.shape[0], src.device, (model.specials.pad, model.specials.eos)
+    limits = max_lens.tolist()
     memory = model.encode(src, src_pad_mask) if memory is None else memory
-    cache = model.new_cache(B, int(max_lens.max()) + 1, device, memory.dtype)
+    cache = model.new_cache(B, max(limits) + 1, device, memory.dtype)
     tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
     log_prob_sums = torch.zeros(B, device=device)
     alive = torch.ones(B, dtype=torch.bool, device=device)
-    for step in range(int(max_lens.max()) + 1):
-        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, max_lens, min_len)
+    alive_h = [True] * B  # the same on the host
+    for step in range(max(limits) + 1):
+        at_limit = rows_at_limit(limits, step, device)
+        log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         logits = log_probs / temperature
         if top_k > 0:
             kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -303,11 +325,12 @@ def sample(
         choice = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator).squeeze(1)
         choice = torch.where(alive, choice, torch.full_like(choice, pad))
         log_prob_sums += torch.where(alive, log_probs.gather(1, choice.clamp(min=0)[:, None]).squeeze(1), 0.0)
-        for i, (token, live) in enumerate(zip(choice.tolist(), alive.tolist())):
-            if live and token != eos:
+        for i, token in enumerate(choice.tolist()):  # the step's one read of the device
+            if alive_h[i] and token != eos:
                 outputs[i].append(token)
+            alive_h[i] = alive_h[i] and token != eos
         alive &= choice != eos
-        if not alive.any():
+        if not any(alive_h):
             break
         tokens = torch.where(alive, choice, torch.full_like(choice, eos))[:, None]
     sums = log_prob_sums.tolist()
