@@ -474,10 +474,12 @@ class TrainState:
     skipped_total: int = 0  # all updates skipped for a non-finite loss or gradient
 
 
-def rng_state() -> dict:
+def rng_state(device: torch.device) -> dict:
+    """The random streams training draws from: CPU (and Python), plus the GPU's when training runs on one; a CPU run
+    on a GPU machine leaves CUDA alone (reading its state would create a CUDA context)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
@@ -526,8 +528,9 @@ def restore_training(path: Path, model, optimizer, scaler, config: Config, rank:
         rng = payload["rng"][rank]
         torch.set_rng_state(rng["torch"])
         random.setstate(_as_tuple(rng["python"]))
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        device = next(model.parameters()).device
+        if "cuda" in rng and device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], device)
     else:
         logger.warning(
             f"note: resuming with {world} processes instead of {payload['world_size']}: data order and "

@@ -49,6 +49,25 @@ def cpu_bf16_units() -> str | None:
     return None
 
 
+def cuda_bf16_units(device: torch.device) -> bool:
+    """Whether the GPU computes bf16 in hardware: compute capability 8.0 (Ampere) or later, or ROCm.
+    `torch.cuda.is_bf16_supported()` also answers yes for emulated bf16 (V100, T4), which runs far slower than the
+    fp16 tensor cores those cards have."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def allow_tf32(device: torch.device) -> None:
+    """fp32 matrix products on a CUDA device through TF32 tensor cores (10-bit mantissa inputs, fp32 accumulation),
+    as fairseq and most training code do: several times faster on Ampere and later. CPUs are left as they are."""
+    if device.type != "cuda":
+        return
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):
+        matmul.fp32_precision = "tf32"
+    else:
+        matmul.allow_tf32 = True
+
+
 def choose_precision(name: str, device: torch.device, training: bool = True) -> tuple[str, str]:
     """The precision to use ("fp32", "bf16", "fp16" or, for translation, "int8") and the reason.
 
@@ -67,9 +86,11 @@ def choose_precision(name: str, device: torch.device, training: bool = True) -> 
             )
         return name, "as set"
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "CUDA with bf16 support"
-        return ("fp16", "CUDA without bf16 support") if training else ("fp32", "CUDA without bf16 support")
+        name = torch.cuda.get_device_name(device)
+        if cuda_bf16_units(device):
+            return "bf16", f"{name} has bf16 tensor cores"
+        why = f"{name} has no bf16 tensor cores (compute capability under 8.0)"
+        return ("fp16", why) if training else ("fp32", why)
     if device.type != "cpu":
         return "fp32", f"{device.type} device"
     units = cpu_bf16_units()

@@ -6,6 +6,7 @@ Multi-GPU and multi-node runs go through `torchrun` (NCCL on GPUs, gloo on CPU);
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import signal
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from mtcli.config import Config
 from mtcli.data import PreparedData, cache_folder, prepare
 from mtcli.device import resolve_device
+from mtcli.errors import MtcliError
 from mtcli.log import logger
 
 
@@ -42,15 +44,24 @@ class Dist:
         d = cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)))
         device = resolve_device(device_name)
         if device.type == "cuda":
+            gpus = torch.cuda.device_count()
+            if d.local_rank >= gpus:
+                raise MtcliError(
+                    f"torchrun started more processes on this node than it has GPUs ({gpus}): process "
+                    f"{d.local_rank} has none; use --nproc_per_node {gpus} (or train.device=cpu)"
+                )
             device = torch.device("cuda", d.local_rank)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(hours=1)
+            # device_id: NCCL binds this process's communicator to its GPU now, not lazily on a guessed device
+            bound = {"device_id": device} if device.type == "cuda" else {}
             store = restarted_worker_store(d, timeout)
             if store is None:
-                dist.init_process_group(backend, timeout=timeout)
+                dist.init_process_group(backend, timeout=timeout, **bound)
             else:
-                dist.init_process_group(backend, store=store, rank=d.rank, world_size=d.world, timeout=timeout)
+                dist.init_process_group(backend, store=store, rank=d.rank, world_size=d.world, timeout=timeout, **bound)
+            atexit.register(_leave_process_group)
         return d, device
 
     def all_reduce_max(self, value: int) -> int:
@@ -75,6 +86,12 @@ class Dist:
         out = [None] * self.world
         dist.all_gather_object(out, obj)
         return out
+
+
+def _leave_process_group() -> None:
+    """At exit: release the process group's resources (NCCL warns of leaks when a process ends without this)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def restart_count() -> int:

@@ -39,7 +39,7 @@ from mtcli.checkpoint import TrainState
 from mtcli.config import Config, TrainConfig
 from mtcli.config_loader import replaced
 from mtcli.data import EncodedSplit, PreparedData, SampledSplit
-from mtcli.device import DTYPES, choose_precision, precision_name
+from mtcli.device import DTYPES, allow_tf32, choose_precision, precision_name
 from mtcli.distributed import Dist, StopSignal, prepare_once
 from mtcli.errors import MtcliError
 from mtcli.evaluate import validation_bleu, validation_loss
@@ -210,6 +210,7 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
     if tc.precision == "auto" and started in DTYPES and started != precision:
         precision, why = started, f"as the run started; auto would pick {precision} ({why})"  # exact resume
     logger.info(f"precision: {precision} ({why})")
+    allow_tf32(device)  # what fp32 leaves to plain matrix products on a GPU
     trainer = Trainer.build(model, tc, DTYPES[precision], device, d.world)
     state = TrainState()
     if resume:
@@ -359,7 +360,7 @@ def validate_and_save(run: Run) -> bool:
 
 def save(run: Run) -> Path | None:
     """Rank 0 writes the checkpoint; every rank's RNG streams go into it, so each resumes its own."""
-    rngs = run.dist.gather_objects(ckpt.rng_state())
+    rngs = run.dist.gather_objects(ckpt.rng_state(run.trainer.device))
     if not run.dist.main:
         return None
     payload = ckpt.training_payload(run.state, run.trainer.optimizer, run.trainer.scaler, rngs)

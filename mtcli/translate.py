@@ -24,7 +24,7 @@ from mtcli.checkpoint import load_model, read_tokenizer, resolve_checkpoint, res
 from mtcli.config import Config, DecodeConfig
 from mtcli.config_loader import replaced, with_overrides
 from mtcli.constrained import constrained_beam_search
-from mtcli.device import resolve_device
+from mtcli.device import allow_tf32, resolve_device
 from mtcli.ensemble import Ensemble
 from mtcli.errors import MtcliError
 from mtcli.glossary import MARKERS, Glossary, load_glossary, soft_marked, words
@@ -102,6 +102,7 @@ class Translator:
         next-token probabilities are averaged with this one's (see mtcli.ensemble). The decode settings are this
         checkpoint's."""
         dev = resolve_device(device)
+        allow_tf32(dev)  # fp32 translation on a GPU
         model, config, tokenizer = load_model(Path(checkpoint), dev)
         name, why = translation_precision(precision or config.decode.precision, dev)
         model = inference_model(model, name)

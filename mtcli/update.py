@@ -48,7 +48,9 @@ class Trainer:
         loss_model: nn.Module = LossModel(model, tc.label_smoothing, tc.rdrop, tc.guided_alignment)
         if world > 1:
             ids = [device.index] if device.type == "cuda" else None
-            loss_model = nn.parallel.DistributedDataParallel(loss_model, device_ids=ids)
+            # broadcast_buffers=False: the model's buffers (the sinusoid table, a fixed output bias) never change,
+            # and DDP would otherwise send them from rank 0 before every forward
+            loss_model = nn.parallel.DistributedDataParallel(loss_model, device_ids=ids, broadcast_buffers=False)
         if tc.compile:
             loss_model = torch.compile(loss_model, dynamic=True)
         return cls(model, loss_model, optimizer, scaler, autocast, dtype, device, world)

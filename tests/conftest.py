@@ -68,6 +68,21 @@ def _unit_tests_do_not_train(request, monkeypatch):
     monkeypatch.setattr(mtcli.train, "start_run", refuse)
 
 
+@pytest.fixture(autouse=True)
+def _on_the_cpu_unless_marked_cuda(request, monkeypatch):
+    """Every test runs on the CPU, on a GPU machine too: its figures and bit-exact checks (exact resume) are the
+    CPU's, and CUDA's atomics would break the latter. `train.device: auto` then means the CPU here and in the
+    processes a test starts. Tests marked @pytest.mark.cuda keep the GPU, and skip without one."""
+    import torch
+
+    if request.node.get_closest_marker("cuda"):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU")
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """Name pytest-timeout's kills at the end of the run: on a loaded machine they, not the code, fail tests."""
     timed_out = [
