@@ -150,17 +150,23 @@ class Batch:
     def n_tgt_tokens(self) -> int:
         return 0 if self.labels is None else self.labels.numel()
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return Batch(
-            move(self.src),
-            move(self.src_pad_mask),
-            move(self.tgt_in),
-            move(self.tgt_index),
-            move(self.labels),
-            move(self.align_index),
-            move(self.align_weight),
+    def pin_memory(self) -> Batch:
+        """The batch in page-locked host memory, from which copies to a GPU run asynchronously (non_blocking)."""
+        return Batch(*(None if t is None else t.pin_memory() for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (
+            self.src,
+            self.src_pad_mask,
+            self.tgt_in,
+            self.tgt_index,
+            self.labels,
+            self.align_index,
+            self.align_weight,
         )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(*(None if t is None else t.to(device, non_blocking=non_blocking) for t in self.tensors()))
 
 
 def collate(

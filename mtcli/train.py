@@ -1,7 +1,8 @@
 """`mtcli train`: the training loop, validation with checkpoints, and the learning-rate schedule.
 
     for each update, until train.max_updates (or max_epochs, early stopping, SIGINT/SIGTERM):
-        plan  = this process's micro-batches of the next update (batching.plan_updates, one list per epoch)
+        plan  = this process's micro-batches of the next update (batching.plan_updates, one list per epoch;
+                feed.py collates them, ahead on background threads when training on a GPU)
         train_step: forward/backward each micro-batch (DDP all-reduces on the last), clip, step;
                     an update whose gradients are not finite is skipped
         every log_every: log line, metrics.jsonl, TensorBoard; every valid_every: validate, checkpoint, early stop
@@ -27,7 +28,6 @@ import torch
 from mtcli import checkpoint as ckpt
 from mtcli.batching import (
     Batch,
-    UpdatePlan,
     accumulation_steps,
     collate,
     epoch_batches,
@@ -43,6 +43,7 @@ from mtcli.device import DTYPES, allow_tf32, choose_precision, precision_name
 from mtcli.distributed import Dist, StopSignal, prepare_once
 from mtcli.errors import MtcliError
 from mtcli.evaluate import validation_bleu, validation_loss
+from mtcli.feed import EpochPlan, UpdateFeed
 from mtcli.log import logger
 from mtcli.metrics import Metrics, UpdateRecord
 from mtcli.mixture import epoch_examples
@@ -83,8 +84,7 @@ class Run:
     train_split: EncodedSplit
     usable: np.ndarray  # training examples that fit the length limits
     accum: int  # micro-batches per update and process
-    plans: tuple[int, list[UpdatePlan]] = (-1, [])  # (epoch, its update plans), computed once per epoch
-    epoch_split: EncodedSplit | SampledSplit | None = None  # what the plans index: train_split, or its resampling
+    sampling_logged: bool = False  # data.sampling_alpha: its cost is logged once per run
 
     @property
     def model(self) -> Transformer:
@@ -109,7 +109,7 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
         torch.set_num_threads(tc.threads)
     resume = resume or torchrun_restart(run_dir)
     opened = open_run_dir(run_dir, resume, d)
-    stop, run = StopSignal(), None
+    stop, run, feed = StopSignal(), None, None
     try:
         run = start_run(cfg, run_dir, d, device, resume)
         state, stopped_by, saved_at = run.state, "max_updates", run.state.update
@@ -121,15 +121,14 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
             )
         if tc.init_from and state.update == 0:  # the starting model's scores: what fine-tuning has to beat
             validate_and_save(run)
+        feed = update_feed(run, guided)
         while state.update < tc.max_updates:
-            plan = next_update_plan(run)
-            if plan is None:
-                stopped_by = "max_epochs"
+            prepared = feed.take(state.epoch, state.next_in_epoch)
+            if prepared is None:
+                stopped_by, state.epoch, state.next_in_epoch = "max_epochs", tc.max_epochs, 0
                 break
-            batches = [
-                collate_examples(run.epoch_split, b, run.model.specials, guided).to(device, non_blocking=True)
-                for b in plan.batches
-            ]
+            state.epoch, state.next_in_epoch, plan = prepared.epoch, prepared.index + 1, prepared.plan
+            batches = [batch.to(device, non_blocking=True) for batch in prepared.batches]
             lr = lr_at(state.update + 1, tc)
             step = train_step(run.trainer, batches, plan.tgt_tokens, lr, tc.clip_norm)
             if not step.finite:
@@ -161,6 +160,8 @@ def train(cfg: Config, run_dir: Path | None = None, resume: bool = False) -> Tra
         logger.info(f"done: {stopped_by} at update {state.update}{skipped}; run directory {run_dir}")
     finally:
         stop.restore()
+        if feed is not None:
+            feed.close()
         if run is not None:
             run.metrics.close()
         opened.close()
@@ -230,36 +231,39 @@ def start_run(cfg: Config, run_dir: Path, d: Dist, device: torch.device, resume:
     return Run(cfg, run_dir, data, d, trainer, state, metrics, train_split, usable, accum)
 
 
-def next_update_plan(run: Run) -> UpdatePlan | None:
-    """The next update's micro-batches, moving on to the next epoch when one is used up; None at train.max_epochs."""
-    state, tc = run.state, run.cfg.train
-    while True:
-        if tc.max_epochs and state.epoch >= tc.max_epochs:
-            return None
-        if run.plans[0] != state.epoch:
-            split = epoch_split(run, state.epoch)
-            # with data.train_corpora weights, each corpus's pairs as many times as its weight (seeded by epoch)
-            usable = epoch_examples(run.train_split, run.usable, run.cfg, state.epoch)
-            batches = [
-                usable[b]
-                for b in epoch_batches(
-                    split.src_lens[usable], split.tgt_lens[usable], tc.max_tokens, tc.seed, state.epoch
-                )
-            ]
-            run.plans = (
-                state.epoch,
-                plan_updates(batches, split.src_lens, split.tgt_lens, run.accum, run.dist.rank, run.dist.world),
-            )
-            run.epoch_split = split
-            if not run.plans[1]:
-                raise MtcliError(
-                    f"the training split makes fewer batches than the {run.dist.world} processes; lower "
-                    "train.max_tokens or use fewer processes"
-                )
-        if state.next_in_epoch < len(run.plans[1]):
-            state.next_in_epoch += 1
-            return run.plans[1][state.next_in_epoch - 1]
-        state.epoch, state.next_in_epoch = state.epoch + 1, 0
+def update_feed(run: Run, links: bool) -> UpdateFeed:
+    """The loop's updates: prepared ahead on background threads (and pinned) when training on a GPU, in line on a
+    CPU (feed.py says why)."""
+    device, specials = run.trainer.device, run.model.specials
+    return UpdateFeed(
+        lambda epoch: plan_epoch(run, epoch),
+        lambda split, examples: collate_examples(split, examples, specials, links),
+        run.cfg.train.max_epochs,
+        ahead=prepares_ahead(device),
+        pin=device.type == "cuda",
+    )
+
+
+def prepares_ahead(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def plan_epoch(run: Run, epoch: int) -> EpochPlan:
+    """This process's updates of epoch `epoch`: the epoch's token-budget batches (seeded by epoch) grouped into
+    updates and sharded over the processes."""
+    tc = run.cfg.train
+    split = epoch_split(run, epoch)
+    # with data.train_corpora weights, each corpus's pairs as many times as its weight (seeded by epoch)
+    usable = epoch_examples(run.train_split, run.usable, run.cfg, epoch)
+    lens = split.src_lens[usable], split.tgt_lens[usable]
+    batches = [usable[b] for b in epoch_batches(*lens, tc.max_tokens, tc.seed, epoch)]
+    updates = plan_updates(batches, split.src_lens, split.tgt_lens, run.accum, run.dist.rank, run.dist.world)
+    if not updates:
+        raise MtcliError(
+            f"the training split makes fewer batches than the {run.dist.world} processes; lower "
+            "train.max_tokens or use fewer processes"
+        )
+    return EpochPlan(split, updates)
 
 
 def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
@@ -269,7 +273,8 @@ def epoch_split(run: Run, epoch: int) -> EncodedSplit | SampledSplit:
         return run.train_split
     start = time.time()
     split = SampledSplit(run.train_split, run.data.tokenizer, dc, run.cfg.train.seed, epoch, length_limit(run.cfg))
-    if run.plans[0] == -1:  # once per run: what sampling costs and how much longer it makes the pairs
+    if not run.sampling_logged:  # once per run: what sampling costs and how much longer it makes the pairs
+        run.sampling_logged = True
         growth = split.tgt_lens[run.usable].sum() / run.train_split.tgt_lens[run.usable].sum()
         logger.info(
             f"subword sampling (alpha {dc.sampling_alpha:g}"

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from mtcli.batching import (
+    Batch,
     PaddingCounts,
+    UpdatePlan,
     collate,
     epoch_batches,
     padding_counts,
@@ -14,6 +16,8 @@ from mtcli.batching import (
     shard,
     token_budget_batches,
 )
+from mtcli.errors import MtcliError
+from mtcli.feed import EpochPlan, UpdateFeed
 from mtcli.tokenizer import BOS, EOS, PAD
 
 
@@ -168,3 +172,51 @@ def test_collate_of_sources_only_is_what_translation_feeds_the_encoder():
     for row, s in enumerate(srcs[:5]):
         assert batch.src[row].tolist() == s.tolist() + [EOS] + [PAD] * (S - len(s) - 1)
     assert torch.equal(batch.src_pad_mask, batch.src == PAD)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The feed of updates (feed.py)
+
+
+def _fake_epochs(sizes: list[int], planned: list[int], fail_at: int | None = None):
+    """plan_epoch over epochs of sizes[epoch % len(sizes)] updates of one micro-batch each; records what it
+    planned; raises MtcliError when planning `fail_at`."""
+
+    def plan_epoch(epoch: int) -> EpochPlan:
+        planned.append(epoch)
+        if epoch == fail_at:
+            raise MtcliError("planning failed")
+        updates = [UpdatePlan([np.array([epoch, i])], 1, PaddingCounts(1, 1)) for i in range(sizes[epoch % len(sizes)])]
+        return EpochPlan(f"split {epoch}", updates)
+
+    return plan_epoch
+
+
+def _collate(split, examples) -> Batch:
+    return collate([list(examples + 4)])
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_the_feed_walks_epochs_to_max_epochs_the_same_in_line_and_ahead(ahead):
+    planned: list[int] = []
+    feed = UpdateFeed(_fake_epochs([3, 1, 2], planned), _collate, max_epochs=3, ahead=ahead, pin=False)
+    seen, position = [], (0, 0)
+    while (prepared := feed.take(*position)) is not None:
+        seen.append((prepared.epoch, prepared.index, prepared.batches[0].src[0, :2].tolist()))
+        position = (prepared.epoch, prepared.index + 1)
+    feed.close()
+    assert seen == [(e, i, [e + 4, i + 4]) for e, n in ((0, 3), (1, 1), (2, 2)) for i in range(n)]
+    assert planned == [0, 1, 2]  # each epoch once, none past max_epochs
+    resumed = UpdateFeed(_fake_epochs([3, 1, 2], []), _collate, max_epochs=3, ahead=ahead, pin=False)
+    assert resumed.take(0, 3).epoch == 1 and resumed.take(2, 2) is None  # a used-up epoch moves on
+
+
+def test_the_feed_plans_the_next_epoch_ahead_and_raises_what_planning_raised():
+    planned: list[int] = []
+    feed = UpdateFeed(_fake_epochs([2], planned, fail_at=1), _collate, max_epochs=0, ahead=True, pin=False)
+    assert feed.take(0, 0).index == 0
+    assert feed.take(0, 1).index == 1
+    with pytest.raises(MtcliError, match="planning failed"):  # epoch 1, planned while epoch 0 ran
+        feed.take(0, 2)
+    feed.close()
+    assert planned[:2] == [0, 1]  # epoch 1 before the loop reached it

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import invoke, losses
 
+import mtcli.train
 from mtcli import checkpoint as ckpt
 from mtcli.average import average_checkpoints
 from mtcli.batching import epoch_batches
@@ -414,6 +415,19 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(cache_dir, tmp_pat
     assert state["epoch"] >= 1  # the resumed part crossed an epoch boundary, so the data position was tested too
     for (name, a), b in zip(full.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.model
+def test_updates_prepared_ahead_on_threads_give_the_same_run(cache_dir, tmp_path, monkeypatch):
+    """The GPU's feed (micro-batches collated on a thread one update ahead, epochs planned one ahead) on the CPU:
+    bit-identical losses to the feed in line, across epochs, a resume and subword sampling (which re-encodes each
+    epoch on the planner's thread)."""
+    settings = {"train.max_tokens": 8192, "train.precision": "fp32", "data.sampling_alpha": 0.3}
+    train(tiny_config(cache_dir, **settings), tmp_path / "in-line")
+    monkeypatch.setattr(mtcli.train, "prepares_ahead", lambda device: True)
+    train(tiny_config(cache_dir, **settings, **{"train.max_updates": 7}), tmp_path / "ahead")
+    resumed = train(tiny_config(cache_dir, **settings), tmp_path / "ahead", resume=True)
+    assert resumed.update == 16 and losses(tmp_path / "ahead") == losses(tmp_path / "in-line")
 
 
 @pytest.mark.system
