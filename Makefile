@@ -10,7 +10,7 @@ TORCH ?= auto
 EXTRAS ?= dev,tensorboard,export,plot,serve,langid,align
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast smoke lint bench bench-serve bench-data quality faults clean
+.PHONY: install test test-fast smoke lint bench bench-serve bench-data quality faults gpu-check clean
 
 install: $(VENV)/.installed
 
@@ -76,6 +76,13 @@ bench-data: install
 FAULTS_ARGS ?=
 faults: install
 	$(BIN)/python tests/faults.py $(FAULTS_ARGS)
+
+# What a session lent a GPU runs first (benchmarks/gpu_check.py): the device and precision, SDPA kernels, host reads
+# per update and per search step, fused loss in bf16/fp16, an fp16 step, graph breaks, the toy smoke on the device,
+# Transformer-base tokens/s and MFU; each step with its own time limit; under 10 minutes. Needs no install and no
+# network: mtcli is read from this checkout. On a CPU it runs what a CPU can and says what it skipped.
+gpu-check:
+	bash benchmarks/gpu.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) runs data/cache .pytest_cache .ruff_cache benchmarks/cache build *.egg-info

@@ -1,6 +1,7 @@
-"""GPU benchmark: Transformer-base training throughput and MFU with bf16 autocast and SDPA, eager and compiled,
-and beam-4 decoding speed. Run through benchmarks/gpu.sh (one call of under 8 minutes on an H200); `--tiny` runs
-the same logic with a tiny model on any device, e.g. a CPU, to check the script itself.
+"""GPU benchmark: Transformer-base training throughput and MFU (against the card's datasheet peak and a GEMM peak
+measured in the run) in the precision `mtcli train` picks, eager and compiled, and beam-4 and greedy decoding as
+`mtcli translate` runs them. One step of `make gpu-check` (benchmarks/gpu_check.py); alone:
+`python benchmarks/gpu_bench.py`; `--tiny` runs the same logic with a tiny model on any device, e.g. a CPU.
 
 Batches are synthetic: sentence lengths drawn from a log-normal fitted by eye to WMT14 en-de subword lengths
 (median ~25), random token ids, cut into token-budget batches of ~25k target tokens by mtcli's own batcher and
@@ -27,8 +28,10 @@ from flops import FORMULA, training_flops  # noqa: E402
 
 from mtcli.batching import collate, epoch_batches  # noqa: E402
 from mtcli.config import ModelConfig, TrainConfig  # noqa: E402
+from mtcli.device import DTYPES, allow_tf32, choose_precision, cpu_name  # noqa: E402
+from mtcli.inference import inference_model  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
-from mtcli.search import beam_search, max_output_lengths  # noqa: E402
+from mtcli.search import beam_search, greedy_search, max_output_lengths  # noqa: E402
 from mtcli.update import Trainer, train_step  # noqa: E402
 
 
@@ -102,20 +105,52 @@ def bench_training(model, batches, device, dtype, steps: int, warmup: int, compi
     return result
 
 
+# Dense (no sparsity) bf16 tensor-core peaks from NVIDIA's datasheets, TFLOP/s, by a name fragment of
+# torch.cuda.get_device_name (first match wins; fp16 for cards without bf16). MFU is reported against this, and
+# against the GEMM peak measured in the same run.
+DATASHEET_TFLOPS = (
+    ("GB200", 2500.0),
+    ("B200", 2250.0),
+    ("H200", 989.4),
+    ("GH200", 989.4),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.4),  # SXM
+    ("H800", 989.4),
+    ("A100", 312.0),
+    ("A800", 312.0),
+    ("L40S", 362.1),
+    ("L40", 181.0),
+    ("L4", 121.0),
+    ("A10", 125.0),
+    ("A6000", 154.8),
+    ("V100", 125.0),  # fp16
+    ("T4", 65.0),  # fp16
+)
+
+
+def datasheet_tflops(device_name: str) -> float | None:
+    return next((peak for fragment, peak in DATASHEET_TFLOPS if fragment in device_name), None)
+
+
 @torch.inference_mode()
-def bench_decoding(model, device, dtype, n_sentences: int, batch_sentences: int, beam: int, vocab: int) -> dict:
-    """Beam search on random sources. Untrained weights rarely emit EOS, so hypotheses run to the length limit
-    (1.2 x source + 10): the figure is a lower bound for a trained model of the same size."""
+def bench_decoding(model, device, precision: str, n_sentences: int, batch_sentences: int, beam: int, vocab: int):
+    """Beam search (greedy for beam 1) on random sources, with the model as `mtcli translate` runs it
+    (inference.inference_model: bf16 weights, KV cache in the model's dtype). Untrained weights rarely emit EOS, so
+    hypotheses run to the length limit (1.2 x source + 10): the figure is a lower bound for a trained model of the
+    same size."""
     rng = np.random.default_rng(1)
     lens = np.clip(rng.lognormal(np.log(25), 0.5, n_sentences), 3, 200).astype(np.int64)
     order = np.argsort(-lens)
-    model.eval()
+    model = inference_model(model.eval(), precision, copy=True)
     out_tokens, start = 0, None
     for first in range(-batch_sentences, n_sentences, batch_sentences):  # the first batch is a warm-up
         rows = order[max(first, 0) : max(first, 0) + batch_sentences]
         batch = collate([rng.integers(4, vocab, n - 1) for n in lens[rows]]).to(device)  # lens count EOS
         max_lens = max_output_lengths(torch.as_tensor(lens[rows] - 1), 1.2, 10, model.cfg.max_positions).to(device)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        if beam == 1:
+            hyps = [[h] for h in greedy_search(model, batch.src, batch.src_pad_mask, max_lens)]
+        else:
             hyps = beam_search(model, batch.src, batch.src_pad_mask, max_lens, beam_size=beam, lenpen=0.6)
         if first < 0:
             sync(device)
@@ -133,6 +168,68 @@ def bench_decoding(model, device, dtype, n_sentences: int, batch_sentences: int,
     }
 
 
+def run(device: torch.device, tiny: bool, steps: int = 30, compiled: bool = True, log=print) -> dict:
+    """Transformer-base (or a tiny model) training eager then compiled, and beam-4 and greedy decoding, in the
+    precision `mtcli train` and `mtcli translate` choose on this device."""
+    precision, why = choose_precision("auto", device)
+    dtype = DTYPES[precision]
+    decode_precision, _ = choose_precision("auto", device, training=False)
+    if tiny:
+        cfg, vocab, max_tokens, n_sent, gemm_n = (
+            ModelConfig(layers=1, d_model=64, heads=4, d_ff=128),
+            500,
+            2000,
+            400,
+            512,
+        )
+        steps, warmup, decode_sentences, decode_batch = 3, 2, 32, 16
+    else:
+        cfg, vocab, max_tokens, n_sent, gemm_n = ModelConfig(), 37000, 27000, 40000, 8192
+        warmup, decode_sentences, decode_batch = 10, 1000, 128
+    torch.manual_seed(0)
+    allow_tf32(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    peak = gemm_peak_tflops(device, dtype, gemm_n)
+    datasheet = datasheet_tflops(name) if device.type == "cuda" else None
+    log(f"device {device} ({name}), {precision} ({why}); GEMM peak measured {peak:.1f} TFLOP/s, datasheet {datasheet}")
+    batches = synthetic_batches(n_sent, max_tokens, vocab, 200, device)
+    results = {
+        "device": str(device),
+        "device_name": name,
+        "precision": precision,
+        "gemm_peak_tflops": peak,
+        "datasheet_tflops": datasheet,
+        "model": cfg.__dict__,
+        "vocab": vocab,
+        "batches": len(batches),
+    }
+    model = Transformer(cfg, vocab, vocab, joint_vocab=True).to(device)
+    results["parameters"] = model.num_parameters()
+    for compile_it in (False, True) if compiled else (False,):
+        kind = "compiled" if compile_it else "eager"
+        r = bench_training(model, batches, device, dtype, steps, warmup, compile_it, peak)
+        if datasheet:
+            r["mfu_datasheet"] = r["model_tflops"] / datasheet
+        results[f"train_{kind}"] = r
+        log(
+            f"train {kind:8}: {r['tgt_tok_per_s']:,.0f} target tokens/s, MFU {100 * r['mfu']:.1f} % of the measured "
+            f"peak"
+            + (f", {100 * r['mfu_datasheet']:.1f} % of the datasheet's" if datasheet else "")
+            + f" ({r['model_tflops']:.1f} TFLOP/s), {r['step_ms']:.0f} ms/step of {r['tgt_tokens_per_step']:,.0f} "
+            f"tokens, peak memory {r.get('peak_memory_gb', float('nan')):.1f} GB, warm-up {r['warmup_s']:.0f} s"
+        )
+    for beam in (4, 1):
+        model = Transformer(cfg, vocab, vocab, joint_vocab=True).to(device)
+        r = bench_decoding(model, device, decode_precision, decode_sentences, decode_batch, beam, vocab)
+        results[f"decode_beam{beam}"] = r
+        log(
+            f"decode beam {beam} ({decode_precision}): {r['sent_per_s']:,.1f} sentences/s, {r['tgt_tok_per_s']:,.0f} "
+            f"target tokens/s (batches of {r['batch_sentences']}, untrained weights: outputs run to the length limit)"
+        )
+    results["flops_formula"] = FORMULA
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="a tiny model and batch: checks the logic on a CPU")
@@ -141,60 +238,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "gpu_results.json"))
     parser.add_argument("--no-compile", action="store_true")
     args = parser.parse_args()
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    if args.tiny:
-        cfg, vocab, max_tokens, n_sent, gemm_n = (
-            ModelConfig(layers=1, d_model=64, heads=4, d_ff=128),
-            500,
-            2000,
-            400,
-            512,
-        )
-        steps, warmup, decode_sentences = 3, 2, 32
-    else:
-        cfg, vocab, max_tokens, n_sent, gemm_n = ModelConfig(), 37000, 27000, 40000, 8192
-        steps, warmup, decode_sentences = args.steps, 10, 1000
-    torch.manual_seed(0)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    peak = gemm_peak_tflops(device, dtype, gemm_n)
-    print(
-        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-        f"{str(dtype).replace('torch.', '')} GEMM peak {peak:.1f} TFLOP/s",
-        flush=True,
+    results = run(
+        torch.device(args.device), args.tiny, args.steps, not args.no_compile, log=lambda m: print(m, flush=True)
     )
-    batches = synthetic_batches(n_sent, max_tokens, vocab, 200, device)
-    results = {
-        "device": str(device),
-        "dtype": str(dtype),
-        "gemm_peak_tflops": peak,
-        "model": cfg.__dict__,
-        "vocab": vocab,
-        "batches": len(batches),
-    }
-    model = Transformer(cfg, vocab, vocab, joint_vocab=True).to(device)
-    results["parameters"] = model.num_parameters()
-    for compiled in (False,) if args.no_compile else (False, True):
-        name = "compiled" if compiled else "eager"
-        r = bench_training(model, batches, device, dtype, steps, warmup, compiled, peak)
-        results[f"train_{name}"] = r
-        print(
-            f"train {name:8}: {r['tgt_tok_per_s']:,.0f} target tokens/s, MFU {100 * r['mfu']:.1f} % "
-            f"({r['model_tflops']:.1f} TFLOP/s), {r['step_ms']:.0f} ms/step of {r['tgt_tokens_per_step']:,.0f} "
-            f"tokens, peak memory {r.get('peak_memory_gb', float('nan')):.1f} GB, warm-up {r['warmup_s']:.0f} s",
-            flush=True,
-        )
-    model = Transformer(cfg, vocab, vocab, joint_vocab=True).to(device)
-    r = bench_decoding(model, device, dtype, decode_sentences, 128 if not args.tiny else 16, 4, vocab)
-    results["decode_beam4"] = r
-    print(
-        f"decode beam 4: {r['sent_per_s']:,.1f} sentences/s, {r['tgt_tok_per_s']:,.0f} target tokens/s "
-        f"(batches of {r['batch_sentences']}, untrained weights: outputs run to the length limit)",
-        flush=True,
-    )
-    results["flops_formula"] = FORMULA
     Path(args.out).write_text(json.dumps(results, indent=1, default=str) + "\n")
     print(f"results: {args.out}")
 

@@ -197,3 +197,27 @@ def test_cuda_attention_uses_a_fused_sdpa_kernel():
         atol=2e-2,
         rtol=2e-2,
     )
+
+
+@pytest.mark.system
+def test_gpu_check_runs_from_the_checkout_and_says_what_it_skipped(tmp_path):
+    """`make gpu-check`'s script with a few quick steps: exit 0, one JSON report, the GPU-only step skipped here."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "report.json"
+    steps = "environment,host_reads,base_bench"
+    proc = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu.sh"), "--only", steps, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())["steps"]
+    assert report["environment"]["status"] == report["host_reads"]["status"] == "ok"
+    assert report["base_bench"]["status"] == "skipped" and "skipped ['base_bench']" in proc.stdout
+    reads = report["host_reads"]["result"]
+    assert reads["per_update_of_4_micro_batches"] <= 2 and reads["beam4_reads"] <= reads["beam4_steps"] + 1
