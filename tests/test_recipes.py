@@ -101,3 +101,15 @@ def test_gpu_configs_train_a_few_updates_on_the_toy_corpus(name, tmp_path, toy_c
     train(cfg, tmp_path / "run")
     assert math.isfinite(losses(tmp_path / "run")[-1])
     assert (checkpoint_dir(tmp_path / "run") / "update_00000002" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("paper", ["base.yaml", "big.yaml"])
+def test_one_gpu_recipes_are_the_paper_recipes_with_one_micro_batch_per_update_and_compile(paper):
+    """base-1gpu.yaml / big-1gpu.yaml: the same model, data, schedule and update size (~25k target tokens); only the
+    micro-batch (the whole update at once) and torch.compile differ."""
+    from mtcli.checkpoint import config_differences
+
+    one_gpu = load_config(paper.replace(".yaml", "-1gpu.yaml"))
+    changes = config_differences(load_config(paper).to_dict(), one_gpu.to_dict())
+    assert {key for key, _, _ in changes} - {"name"} == {"train.max_tokens", "train.compile"}
+    assert one_gpu.train.max_tokens == one_gpu.train.tokens_per_update == 25000 and one_gpu.train.compile
