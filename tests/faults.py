@@ -724,6 +724,8 @@ def main() -> None:
     parser.add_argument("--kills", type=int, default=20, help="SIGKILLs of training (at least 20 for the full matrix)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
+    # on the CPU, on a GPU machine too (as the test suite): bit-exact resume and the 2-process torchrun runs need it
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     start = time.time()
     work = Path(tempfile.mkdtemp(prefix="mtcli-faults-"))
     cache = work / "cache"

@@ -100,6 +100,16 @@ def test_the_counter_sees_each_kind_of_read():
     assert torch.Tensor.item.__name__ == "item"  # put back
 
 
+def test_fp16_training_steps_scale_the_loss_and_learn():
+    """fp16 (the precision of GPUs without bf16) with the loss scaler, here under CPU autocast: finite updates, the
+    scale in use, the loss falling on a repeated batch."""
+    trainer = Trainer.build(tiny_model(), TrainConfig(lr=1e-3), torch.float16, torch.device("cpu"))
+    (batch,) = random_batches([(16, 20, 22)])
+    steps = [train_step(trainer, [batch], batch.n_tgt_tokens, 1e-3, 1.0) for _ in range(5)]
+    assert all(step.finite for step in steps) and trainer.scaler.get_scale() >= 2**15
+    assert float(steps[-1].loss_sum) < 0.95 * float(steps[0].loss_sum)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # torch.compile
 
