@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from mtcli.search import (
@@ -135,7 +136,7 @@ def constrained_beam_search(
     for step in range(max_total + 1):
         n = len(sentences)
         # (2) Log-probabilities with the terms' rules.
-        at_limit = rows_at_limit(row_limits, step, device)
+        at_limit = rows_at_limit(np.array(row_limits), step, device)
         log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         if no_repeat_ngram > 0 and step >= no_repeat_ngram:
             history_t = torch.tensor(history, device=device)

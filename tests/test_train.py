@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from conftest import invoke, losses
 
+import mtcli.loss
 import mtcli.train
 from mtcli import checkpoint as ckpt
 from mtcli.average import average_checkpoints
@@ -97,8 +98,17 @@ def test_label_smoothed_loss_against_a_hand_computed_value():
     assert float(loss) == pytest.approx(float(expected), rel=1e-6)
 
 
+@pytest.fixture(params=["cpu", "branch-free"])
+def loss_path(request, monkeypatch):
+    """The fused loss's two ways to its log-sum-exp: the CPU's (at the target, with a branch for underflow) and the
+    one GPUs and torch.compile take (at each row's most likely token)."""
+    if request.param == "branch-free":
+        monkeypatch.setattr(mtcli.loss, "branch_free", lambda device: True)
+    return request.param
+
+
 @pytest.mark.parametrize("rows", [5, 1024, 2500])  # one chunk, exactly one, several with a remainder
-def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
+def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows, loss_path):
     torch.manual_seed(0)
     hidden = torch.randn(rows, 16, requires_grad=True)
     weight = (torch.randn(50, 16) * 0.3).requires_grad_()
@@ -119,10 +129,9 @@ def test_fused_projection_loss_equals_the_unfused_one_with_gradients(rows):
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16])
-def test_fused_projection_loss_is_exact_where_the_target_probability_underflows(dtype):
-    """The loss takes log-sum-exp as z_j - log p_j at the row's most likely token j; a target 200 logits below the
-    best has p_y = 0 in every dtype (fp16's smallest number is 6e-8), and must still get its true loss (~200), not
-    inf."""
+def test_fused_projection_loss_is_exact_where_the_target_probability_underflows(dtype, loss_path):
+    """The loss takes log-sum-exp as z_j - log p_j; a target 200 logits below the best has p_y = 0 in every dtype
+    (fp16's smallest number is 6e-8), and must still get its true loss (~200), not inf."""
     hidden = torch.tensor([[200.0, 0.0], [0.0, 1.0]], requires_grad=True)
     weight = torch.eye(2)
     labels = torch.tensor([1, 1])
@@ -608,8 +617,6 @@ def test_max_epochs_ends_with_a_validated_checkpoint(cache_dir, tmp_path):
 def scripted_losses(monkeypatch):
     """Validation reports the losses in this list, one per validation in order (the real validation still runs, for
     its other figures): a loss curve that goes down and up again, which a few updates of real training do not give."""
-    import mtcli.train
-
     real, script = mtcli.train.validation_loss, []
     monkeypatch.setattr(mtcli.train, "validation_loss", lambda *a, **k: {**real(*a, **k), "loss": script.pop(0)})
     return script
