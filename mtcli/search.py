@@ -210,8 +210,8 @@ def beam_search(
         penalty = length_penalty(step + 1, lenpen, length_norm)
         for i, j in zip(*np.nonzero(is_eos_h)):
             lp = float(top_scores_h[i, j])
-            tokens = output_of(i * k + top_beams_h[i, j], parents, added)
-            finished[sentences[i]].append(Hypothesis(tokens, lp / penalty, lp))
+            written = output_of(i * k + top_beams_h[i, j], parents, added)
+            finished[sentences[i]].append(Hypothesis(written, lp / penalty, lp))
         # (6) Which sentences are done: `wanted` finished, the worst of which no live hypothesis beats at its present
         # length.
         done = sentences_done(finished, sentences, best_live_h.tolist(), wanted, penalty, early_stopping)
