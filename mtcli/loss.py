@@ -39,7 +39,8 @@ def _product_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 def branch_free(device: torch.device) -> bool:
     """Whether the loss must not branch on its data: on a GPU a branch reads the device from the host (waiting for
-    every queued kernel), and under torch.compile it breaks the graph. On a CPU in eager mode the read costs nothing."""
+    every queued kernel), and torch.compile is kept away from control flow on tensor values. On a CPU in eager mode
+    the read costs nothing."""
     return device.type != "cpu" or torch.compiler.is_compiling()
 
 

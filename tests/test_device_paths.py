@@ -117,24 +117,30 @@ def test_fp16_training_steps_scale_the_loss_and_learn():
 # torch.compile
 
 
-@pytest.mark.model  # compiles (~40 s on 2 cores); bf16 only: fp32 compiles the same graph without autocast
-def test_compiled_training_has_no_graph_breaks_and_one_graph_for_every_batch_shape():
+@pytest.mark.model  # compiles (~10 s each on 2 cores)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_training_has_no_graph_breaks_and_one_graph_for_every_batch_shape(dtype, monkeypatch):
     """torch.compile(dynamic=True) of the model and its fused loss, as train.compile does: a symbolic is_causal, a
     data-dependent branch or a host read in the loss would break the graph; a loop over a batch's row chunks would
-    fix its row count and recompile for nearly every batch. bf16 runs under CPU autocast, where the CPU fast path
-    must stand aside."""
+    fix its row count and recompile for nearly every batch. fp32 takes SDPA on a CPU, as every precision does on a
+    GPU (a symbolic is_causal: 6 breaks, 9 graphs); bf16 runs under CPU autocast, where the CPU fast path must stand
+    aside."""
+    import functools
+
     import torch._dynamo
     from torch._dynamo.utils import counters
 
+    # Graph breaks and recompiles are Dynamo's; AOTAutograd traces the backward too. Inductor's code generation (20 s
+    # more here) is left to `make gpu-check`'s graph_breaks step.
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     torch._dynamo.reset()
     counters.clear()
-    dtype = torch.bfloat16
     eager = Trainer.build(tiny_model(dropout=0.0), TrainConfig(lr=1e-3), dtype, torch.device("cpu"))
     trainer = Trainer.build(tiny_model(dropout=0.0), TrainConfig(lr=1e-3, compile=True), dtype, torch.device("cpu"))
     for batch in random_batches([(8, 12, 14), (6, 20, 9), (9, 7, 23)]):  # no dropout: the same losses
         compiled_loss = train_step(trainer, [batch], batch.n_tgt_tokens, 1e-3, 1.0).loss_sum
         eager_loss = train_step(eager, [batch], batch.n_tgt_tokens, 1e-3, 1.0).loss_sum
-        assert float(compiled_loss) == pytest.approx(float(eager_loss), rel=2e-2)
+        assert float(compiled_loss) == pytest.approx(float(eager_loss), rel=2e-2 if dtype == torch.bfloat16 else 1e-4)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
 
