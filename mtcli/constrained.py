@@ -113,13 +113,14 @@ def constrained_beam_search(
     the hypothesis's text holds it, whatever pieces wrote it. In Chinese a term is often inside a longer piece
     (吃新鲜的梨 is one piece of the toy vocabulary), and its own pieces would otherwise be written a second time."""
     B, k, device, eos = src.shape[0], beam_size, src.device, model.specials.eos
-    terms = [_fitting(sentence, int(limit)) for sentence, limit in zip(terms, max_lens.tolist())]
+    limits = max_lens.tolist()
+    terms = [_fitting(sentence, limit) for sentence, limit in zip(terms, limits)]
     # Finished hypotheses a sentence waits for: beam search's k, but a sentence with terms only nbest. Its hypotheses
     # can finish only once every term is written, so waiting for k of them kept it searching ~3x as many steps
     # (docs/benchmarks.md); it still ends only when no live hypothesis can beat them.
     wanted = [nbest if sentence else max(k, nbest) for sentence in terms]
     memory = model.encode(src, src_pad_mask) if memory is None else memory
-    max_total = int(max_lens.max())
+    max_total = max(limits)
     cache = model.new_cache(B * k, max_total + 1, device, memory.dtype)
     sentences = list(range(B))  # sentence index of each batch entry still searching
     tokens = torch.full((B * k, 1), model.specials.bos, dtype=torch.long, device=device)
@@ -128,7 +129,7 @@ def constrained_beam_search(
     scores = torch.full((B, k), NEG_INF, device=device)
     scores[:, 0] = 0.0
     finished: list[list[Hypothesis]] = [[] for _ in range(B)]
-    row_limits = [limit for limit in max_lens.tolist() for _ in range(k)]
+    row_limits = np.repeat(np.array(limits), k)  # kept on the host, as beam_search keeps them
     term_texts = (
         [["".join(piece_text[t] for t in term) for term in sentence] for sentence in terms] if piece_text else []
     )
@@ -136,7 +137,7 @@ def constrained_beam_search(
     for step in range(max_total + 1):
         n = len(sentences)
         # (2) Log-probabilities with the terms' rules.
-        at_limit = rows_at_limit(np.array(row_limits), step, device)
+        at_limit = rows_at_limit(row_limits, step, device)
         log_probs = step_log_probs(model, tokens, memory, src_pad_mask, cache, step, at_limit, min_len)
         if no_repeat_ngram > 0 and step >= no_repeat_ngram:
             history_t = torch.tensor(history, device=device)
@@ -216,7 +217,7 @@ def constrained_beam_search(
             keep_t = torch.tensor(keep, device=device)
             sentences = [sentences[i] for i in keep]
             memory, src_pad_mask = memory[keep_t], src_pad_mask[keep_t]
-            row_limits = [row_limits[i * k + j] for i in keep for j in range(k)]
+            row_limits = row_limits.reshape(n, k)[keep].reshape(-1)
             cache.reorder(rows, keep_t)
         else:
             cache.reorder(rows)
@@ -236,7 +237,7 @@ def _fitting(terms: list[list[int]], limit: int) -> list[list[int]]:
     return kept
 
 
-def _apply_term_rules(log_probs, states, row_terms, row_limits: list[int], step: int, eos: int) -> None:
+def _apply_term_rules(log_probs, states, row_terms, row_limits: np.ndarray, step: int, eos: int) -> None:
     """Beam phase (2), in place: EOS is forbidden to rows with terms still to write, and a row whose steps left are
     just enough for its term tokens may take only the next of them (with the model's score for it)."""
     no_eos, forced_rows, forced_tokens = [], [], []

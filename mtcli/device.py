@@ -86,10 +86,10 @@ def choose_precision(name: str, device: torch.device, training: bool = True) -> 
             )
         return name, "as set"
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
+        card = torch.cuda.get_device_name(device)
         if cuda_bf16_units(device):
-            return "bf16", f"{name} has bf16 tensor cores"
-        why = f"{name} has no bf16 tensor cores (compute capability under 8.0)"
+            return "bf16", f"{card} has bf16 tensor cores"
+        why = f"{card} has no bf16 tensor cores (compute capability under 8.0)"
         return ("fp16", why) if training else ("fp32", why)
     if device.type != "cpu":
         return "fp32", f"{device.type} device"

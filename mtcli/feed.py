@@ -95,13 +95,11 @@ class UpdateFeed:
             for old in [e for e in self.epochs if e < epoch]:
                 del self.epochs[old]
             if epoch not in self.epochs:
-                self.epochs[epoch] = self.plan_epoch(epoch) if self.planner is None else self._plan_ahead(epoch)
+                planned = self.planner.submit(self.plan_epoch, epoch) if self.planner else self.plan_epoch(epoch)
+                self.epochs[epoch] = planned
             following = epoch + 1
             if self.planner is not None and following not in self.epochs:
                 if not (self.max_epochs and following >= self.max_epochs):
-                    self.epochs[following] = self._plan_ahead(following)
+                    self.epochs[following] = self.planner.submit(self.plan_epoch, following)
             entry = self.epochs[epoch]
         return entry.result() if isinstance(entry, Future) else entry
-
-    def _plan_ahead(self, epoch: int) -> Future:
-        return self.planner.submit(self.plan_epoch, epoch)
