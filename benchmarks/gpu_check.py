@@ -45,6 +45,7 @@ from mtcli.device import DTYPES, choose_precision, cpu_bf16_units, cpu_name  # n
 from mtcli.host_reads import count_host_reads  # noqa: E402
 from mtcli.loss import projection_cross_entropy  # noqa: E402
 from mtcli.model import Transformer  # noqa: E402
+from mtcli.outputs import write_file_atomic  # noqa: E402
 from mtcli.search import beam_search, greedy_search  # noqa: E402
 from mtcli.update import Trainer, train_step  # noqa: E402
 
@@ -381,6 +382,23 @@ def run_step(name: str, limit: int, device: str, gpu_only: bool) -> dict:
         return {"status": "ok" if result.get("ok", True) else "not ok", "seconds": seconds, "result": result}
 
 
+def foreign_report(out: Path) -> str | None:
+    """Why --out must not be written (a folder, a missing folder, a file that is not an earlier gpu-check report:
+    nothing this command did not write is replaced), or None."""
+    if out.is_dir():
+        return "is a folder; give a file name"
+    if not out.parent.is_dir():
+        return f"the folder {out.parent} does not exist"
+    if out.exists() and out.stat().st_size:
+        try:
+            earlier = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            earlier = None
+        if not (isinstance(earlier, dict) and {"started", "device", "steps"} <= set(earlier)):
+            return "exists and is not a gpu-check report; give another file"
+    return None
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -397,6 +415,10 @@ def main() -> int:
             return 1
         Path(args.result).write_text(json.dumps(result, default=str))
         return 0
+    refusal = foreign_report(Path(args.out))
+    if refusal:
+        print(f"gpu-check: --out {args.out}: {refusal}", file=sys.stderr)
+        return 2
     wanted = set(filter(None, args.only.split(",")))
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "device": args.device, "steps": {}}
     print(f"gpu-check on {args.device} ({cpu_name()} host); report: {args.out}", flush=True)
@@ -408,7 +430,7 @@ def main() -> int:
         shown = outcome.get("result", {k: v for k, v in outcome.items() if k != "status"})
         summary = json.dumps(shown, default=str, ensure_ascii=False)
         print(f"{name:13} {outcome['status']:9} {outcome.get('seconds', '')!s:>6} s  {summary[:600]}", flush=True)
-        Path(args.out).write_text(json.dumps(report, indent=1, default=str, ensure_ascii=False) + "\n")
+        write_file_atomic(Path(args.out), json.dumps(report, indent=1, default=str, ensure_ascii=False) + "\n")
     failed = [n for n, o in report["steps"].items() if o["status"] in ("failed", "timed out", "not ok")]
     skipped = [n for n, o in report["steps"].items() if o["status"] == "skipped"]
     print(f"gpu-check: {len(report['steps']) - len(failed) - len(skipped)} ok, failed {failed or 'none'}, skipped "

@@ -240,3 +240,25 @@ def test_gpu_check_runs_from_the_checkout_and_says_what_it_skipped(tmp_path):
     assert report["base_bench"]["status"] == "skipped" and "skipped ['base_bench']" in proc.stdout
     reads = report["host_reads"]["result"]
     assert reads["per_update_of_4_micro_batches"] <= 2 and reads["beam4_reads"] <= reads["beam4_steps"] + 1
+    # a rerun replaces its own report; a file it did not write, or a folder, is refused and left as it was
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": 1}\n')
+    for target in (foreign, tmp_path):
+        refused = subprocess.run(
+            ["bash", str(root / "benchmarks" / "gpu.sh"), "--only", "environment", "--out", str(target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert refused.returncode == 2 and "--out" in refused.stderr, refused.stderr
+    assert foreign.read_text() == '{"mine": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == [
+        "notes.json",
+        "report.json",
+    ]
+    rerun = subprocess.run(
+        ["bash", str(root / "benchmarks" / "gpu.sh"), "--only", "environment", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rerun.returncode == 0 and list(json.loads(out.read_text())["steps"]) == ["environment"]
